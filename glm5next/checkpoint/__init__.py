@@ -1,0 +1,1 @@
+"""Reading and writing GLM-5.3-Flash checkpoints in the Hugging Face layout."""

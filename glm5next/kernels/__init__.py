@@ -1,0 +1,1 @@
+"""Triton kernels, each beside an fp32 PyTorch reference of the same signature."""

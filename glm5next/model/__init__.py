@@ -1,0 +1,1 @@
+"""The stock GLM-5.3-Flash backbone: exact, readable PyTorch."""

@@ -1,0 +1,1 @@
+"""Caches, step metadata, sampling and the engine around the backbone."""
