@@ -1,6 +1,28 @@
 import os
 import sys
 
+import pytest
+
 # The Triton interpreter must be chosen before any kernel module imports triton.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """The small random checkpoint (official layout, FP8, MTP), written once per session."""
+    from glm5next.checkpoint.writer import make_tiny_checkpoint
+
+    path = str(tmp_path_factory.mktemp("tiny"))
+    make_tiny_checkpoint(path, seed=0)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_fp32(tiny_dir):
+    """The small model loaded in fp32 on CPU."""
+    import torch
+
+    from glm5next.model.backbone import Glm5NextModel
+
+    return Glm5NextModel.from_pretrained(tiny_dir, torch.float32, "cpu", progress=False)

@@ -49,3 +49,21 @@ def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.d
 def set_param(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
     """Replace `module.name` with a frozen parameter holding `value`."""
     setattr(module, name, torch.nn.Parameter(value, requires_grad=False))
+
+
+def install_random(
+    specs: dict[str, TensorSpec],
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    std: float = 0.05,
+) -> None:
+    """Install seeded normal(0, std) tensors for every spec (tests of single modules).
+
+    Tensors that stay fp32 in a bf16 model are installed as fp32.
+    """
+    g = torch.Generator().manual_seed(seed)
+    for name in sorted(specs):
+        spec = specs[name]
+        t = torch.randn(spec.shape, generator=g) * std
+        spec.install(t.to(device=device, dtype=torch.float32 if spec.keep_fp32 else dtype), None)

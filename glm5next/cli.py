@@ -1,0 +1,101 @@
+"""The `glm5next` command: demo, generate, make-tiny."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+
+def _default_tiny_dir() -> str:
+    root = os.environ.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache"))
+    return os.path.join(root, "glm5next", "tiny")
+
+
+def _ensure_tiny(path: str) -> str:
+    from .checkpoint.writer import make_tiny_checkpoint
+
+    if not os.path.exists(os.path.join(path, "config.json")):
+        print(f"writing the small random model to {path}", file=sys.stderr)
+        make_tiny_checkpoint(path)
+    return path
+
+
+def cmd_make_tiny(args) -> int:
+    from .checkpoint.writer import make_tiny_checkpoint
+
+    make_tiny_checkpoint(args.dir, seed=args.seed, with_mtp=not args.no_mtp)
+    print(args.dir)
+    return 0
+
+
+def _run(model: str, prompts: list[str], args) -> int:
+    from . import LLM, SamplingParams
+
+    llm = LLM(model, dtype=args.dtype, device=args.device, progress=False)
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        max_tokens=args.max_tokens, seed=args.seed,
+    )
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    for o in outs:
+        print(f"prompt: {o.prompt!r}\noutput: {o.outputs[0].text!r}\ntoken ids: {o.outputs[0].token_ids}")
+    print(f"{n} tokens in {elapsed:.2f} s: {n / max(elapsed, 1e-9):.1f} tokens/s")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    return _run(args.model, args.prompt, args)
+
+
+def cmd_demo(args) -> int:
+    model = _ensure_tiny(args.model or _default_tiny_dir())
+    return _run(model, args.prompt or ["Hello, GLM!", "The quick brown fox"], args)
+
+
+def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="glm5next", description="GLM-5.3-Flash decoding")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("demo", help="generate with the built-in small random model")
+    p.add_argument("--model", default=None, help="where the small model lives (written if missing)")
+    p.add_argument("--prompt", action="append", default=None)
+    _sampling_args(p, 32)
+    p.set_defaults(func=cmd_demo)
+    p = sub.add_parser("generate", help="generate from a checkpoint")
+    p.add_argument("--model", required=True)
+    p.add_argument("--prompt", action="append", required=True)
+    _sampling_args(p, 64)
+    p.set_defaults(func=cmd_generate)
+    p = sub.add_parser("make-tiny", help="write a small random checkpoint in the official layout")
+    p.add_argument("dir")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-mtp", action="store_true")
+    p.set_defaults(func=cmd_make_tiny)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, RuntimeError, OSError) as e:
+        print(f"glm5next: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

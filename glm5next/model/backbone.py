@@ -1,0 +1,89 @@
+"""The stock GLM-5.3-Flash backbone: embedding, 45 mHC layers, final norm, LM head, MTP layer."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import Glm5NextConfig
+from ..runtime.cache import ModelCache
+from ..runtime.metadata import ForwardContext
+from .layer import DecoderLayer
+from .linear import Linear
+from .mhc import hc_contract, hc_expand
+from .mtp import MtpLayer
+from .norm import RMSNorm
+from .params import TensorSpec, set_param
+
+
+class Glm5NextModel(nn.Module):
+    """The text tower. Built on the meta device; `from_pretrained` installs the weights."""
+
+    def __init__(self, config: Glm5NextConfig, with_mtp: bool = True) -> None:
+        super().__init__()
+        self.config = config
+        d = config.hidden_size
+        self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, d, device="meta"), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(d, config.rms_norm_eps)
+        self.lm_head = Linear(d, config.vocab_size)
+        self.mtp = MtpLayer(config) if with_mtp and config.num_nextn_predict_layers else None
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_dir: str,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+        progress: bool = True,
+    ) -> "Glm5NextModel":
+        """The backbone with the weights of the checkpoint in `model_dir`."""
+        from ..checkpoint.loader import load_checkpoint
+
+        config = Glm5NextConfig.from_file(model_dir)
+        model = cls(config)
+        mtp_prefix = model.mtp.prefix + "." if model.mtp is not None else None
+        report = load_checkpoint(model_dir, model.tensor_specs(), dtype, device, mtp_prefix, progress=progress)
+        if model.mtp is not None and not report.has_mtp:
+            model.mtp = None
+        model.dtype = dtype
+        return model.eval()
+
+    def tensor_specs(self) -> dict[str, TensorSpec]:
+        """Every checkpoint tensor, named as in the checkpoint without `model.language_model.`."""
+        specs = {
+            "embed_tokens.weight": TensorSpec(
+                tuple(self.embed_tokens.shape), lambda t, s: set_param(self, "embed_tokens", t)
+            ),
+            **self.norm.tensor_specs("norm"),
+            **self.lm_head.tensor_specs("lm_head"),
+        }
+        for layer in self.layers:
+            specs.update(layer.tensor_specs())
+        if self.mtp is not None:
+            specs.update(self.mtp.tensor_specs())
+        return specs
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [T, D] (no scaling)."""
+        return F.embedding(input_ids, self.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, cache: ModelCache) -> torch.Tensor:
+        """The post-final-norm hidden states [T, D] of tokens `input_ids` [T]."""
+        streams = hc_expand(self.embed(input_ids), self.config.hc_mult)
+        for layer in self.layers:
+            streams = layer(streams, ctx, cache)
+        return self.norm(hc_contract(streams))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [T, vocab] in fp32 for post-norm hidden states [T, D] (scale 1, no soft-cap)."""
+        return self.lm_head(hidden).float()
+
+    def draft(
+        self, next_ids: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext, cache: ModelCache
+    ) -> torch.Tensor:
+        """The MTP layer's draft hidden state [T, D] (see `MtpLayer.forward`)."""
+        if self.mtp is None:
+            raise RuntimeError("this checkpoint has no MTP layer: speculative decoding is unavailable")
+        return self.mtp(self.embed(next_ids), hidden, ctx, cache)

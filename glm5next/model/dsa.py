@@ -1,0 +1,177 @@
+"""The DSA layer: NoPE multi-head latent attention over the indexer-selected tokens (spec section 6).
+
+Each step writes the tokens' latents `c`, indexer keys and KPool gate logits
+into the paged caches, builds the pools its tokens complete, then lets every
+token attend, in absorbed form over the latent cache, to the tokens of its
+selected pools plus its incomplete-pool tail. Decode rows run with static
+shapes (CUDA-graph safe); prefill rows run per sequence in query chunks.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import Glm5NextConfig
+from ..runtime.cache import DsaCache
+from ..runtime.metadata import AttnMetadata
+from .indexer import Indexer
+from .linear import Linear
+from .norm import RMSNorm
+from .params import TensorSpec
+
+PREFILL_CHUNK_ELEMS = 1 << 26
+"""Budget (elements) of the per-chunk score and gathered-latent tensors of the eager prefill path."""
+MAX_PREFILL_CHUNK = 256
+"""Most prefill queries attended in one chunk."""
+
+
+class SparseMLA(nn.Module):
+    """Layer `layer_idx`'s DeepSeek-sparse-attention sublayer: MLA projections, indexer, sparse attention."""
+
+    def __init__(self, config: Glm5NextConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.prefix = f"layers.{layer_idx}.self_attn"
+        self.num_heads = config.num_attention_heads
+        self.nope_dim = config.qk_nope_head_dim
+        self.v_dim = config.v_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        self.kpool = config.index_kpool
+        self.scale = config.mla_softmax_scale
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.q_a_proj = Linear(h, config.q_lora_rank)
+        self.q_a_layernorm = RMSNorm(config.q_lora_rank, eps)
+        self.q_b_proj = Linear(config.q_lora_rank, self.num_heads * self.nope_dim)
+        self.kv_a_proj_with_mqa = Linear(h, self.kv_lora_rank)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps)
+        self.kv_b_proj = Linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim))
+        self.o_proj = Linear(self.num_heads * self.v_dim, h)
+        self.indexer = Indexer(config)
+
+    def tensor_specs(self, prefix: str) -> dict[str, TensorSpec]:
+        """Every checkpoint tensor of this sublayer under `prefix` (e.g. `layers.3.self_attn`)."""
+        specs: dict[str, TensorSpec] = {}
+        for name in ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm",
+                     "kv_b_proj", "o_proj", "indexer"):
+            specs.update(getattr(self, name).tensor_specs(f"{prefix}.{name}"))
+        return specs
+
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 `W_UK` `[H, nope, kv_lora]` and `W_UV` `[H, v, kv_lora]`, the per-head row blocks of kv_b_proj."""
+        w = self.kv_b_proj.dense_weight(torch.float32).view(self.num_heads, self.nope_dim + self.v_dim, -1)
+        return w[:, : self.nope_dim], w[:, self.nope_dim :]
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        md: AttnMetadata,
+        cache: DsaCache,
+        selection: torch.Tensor | None = None,
+        return_selection: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The sublayer output `[T, hidden]` (x's dtype) for normalised inputs `x` `[T, hidden]`.
+
+        `selection`: optional `[T, K]` int64 pools per token (-1 = none) to attend to instead of running
+        the indexer's top-k, e.g. an earlier step's selection reused by an MTP draft step (spec section 8,
+        `index_share_for_mtp_iteration`); caches and pools are still written. With `return_selection`
+        the result is `(output, selection)`, the selection `[T, index_topk / index_kpool]` int64 padded
+        with -1.
+        """
+        t = x.shape[0]
+        cq = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(cq).view(t, self.num_heads, self.nope_dim)
+        c = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))
+        qi, wi, ki, gi = self.indexer.project(x, cq)
+
+        rows = cache.token_rows(md.slot_mapping)
+        cache.latent.view(-1, self.kv_lora_rank).index_copy_(0, rows, c.to(cache.latent.dtype))
+        cache.index_key.view(-1, ki.shape[-1]).index_copy_(0, rows, ki.to(cache.index_key.dtype))
+        cache.index_gate.view(-1, gi.shape[-1]).index_copy_(0, rows, gi.to(cache.index_gate.dtype))
+        self.indexer.write_pools(md.positions, md.slot_mapping, cache)
+
+        w_uk, w_uv = self.absorbed_weights()
+        q_lat = torch.einsum("thn,hnr->thr", q.float(), w_uk)
+        ctx = torch.full((t, self.num_heads, self.kv_lora_rank), float("nan"), device=x.device)
+        chosen = None
+        if return_selection:
+            chosen = torch.full((t, self.indexer.topk_pools), -1, dtype=torch.int64, device=x.device)
+
+        def attend_rows(a: int, b: int, tables: torch.Tensor) -> None:
+            given = None if selection is None else selection[a:b]
+            ctx[a:b], sel = self.attend(q_lat[a:b], qi[a:b], wi[a:b], md.positions[a:b], tables, cache, given)
+            if chosen is not None:
+                chosen[a:b, : sel.shape[1]] = sel[:, : chosen.shape[1]]
+
+        nd = md.num_decode_tokens
+        if nd:
+            attend_rows(0, nd, md.block_tables[md.token_to_seq[:nd]])
+        for s in range(md.num_decodes, md.num_seqs):
+            a, b = md.query_start_loc_cpu[s], md.query_start_loc_cpu[s + 1]
+            if a == b:
+                continue
+            seq_len = md.context_lens_cpu[s] + (b - a)
+            tables = md.block_tables[s : s + 1, : -(-seq_len // cache.block_size)]
+            step = self._prefill_chunk(tables.shape[1] * cache.block_size)
+            for lo in range(a, b, step):
+                hi = min(b, lo + step)
+                attend_rows(lo, hi, tables)
+
+        o = torch.einsum("thr,hvr->thv", ctx, w_uv).to(x.dtype)
+        out = self.o_proj(o.reshape(t, self.num_heads * self.v_dim))
+        return (out, chosen) if return_selection else out
+
+    def _prefill_chunk(self, context: int) -> int:
+        """Queries per prefill chunk for a context of `context` cached rows."""
+        ix = self.indexer
+        selected = min(ix.topk_pools * self.kpool, context) + self.kpool - 1
+        per_query = ix.n_heads * (context // self.kpool) + selected * (self.kv_lora_rank + self.num_heads)
+        return max(1, min(MAX_PREFILL_CHUNK, PREFILL_CHUNK_ELEMS // per_query))
+
+    def attend(
+        self,
+        q_lat: torch.Tensor,
+        qi: torch.Tensor,
+        wi: torch.Tensor,
+        positions: torch.Tensor,
+        tables: torch.Tensor,
+        cache: DsaCache,
+        selection: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention context `[T, H, kv_lora]` fp32 (before W_UV) and the selected pools `[T, K]` int64.
+
+        `q_lat`: `[T, H, kv_lora]` fp32 absorbed queries; `qi`: `[T, Hi, d]` indexer queries; `wi`:
+        `[T, Hi]` fp32 head weights; `positions`: `[T]` int64; `tables`: `[T, blocks]` int64, each
+        token's block table (its sequence's row; fixed width at decode), or `[1, blocks]` shared by
+        all. Selects among the `blocks * block_size / kpool` pools of the table (or takes the visible
+        pools of `selection`), adds the incomplete tail `[kpool * floor((p+1)/kpool), p]` and attends
+        over those latents. Static shapes, no host syncs.
+        """
+        kp, bs = self.kpool, cache.block_size
+        per_block = bs // kp
+        n_pools = tables.shape[1] * per_block
+        dev = positions.device
+        pool = torch.arange(n_pools, device=dev)
+        pos = positions[:, None]
+        visible = pool[None] * kp + (kp - 1) <= pos
+        if selection is None:
+            pool_rows = tables.repeat_interleave(per_block, dim=1) * per_block + pool % per_block
+            pool_keys = cache.pooled_key.view(-1, cache.pooled_key.shape[-1])[pool_rows]
+            selection = self.indexer.select(qi, wi, pool_keys, visible, min(self.indexer.topk_pools, n_pools))
+        sel_ok = (selection >= 0) & (selection < n_pools) & visible.gather(1, selection.clamp(0, n_pools - 1))
+
+        r = torch.arange(kp, device=dev)
+        sel_tok = (selection.clamp_min(0)[:, :, None] * kp + r).flatten(1)
+        sel_ok = sel_ok[:, :, None].expand(-1, -1, kp).flatten(1)
+        tail = (positions[:, None] + 1) // kp * kp + r[: kp - 1]
+        tok = torch.cat([sel_tok, tail], dim=1)
+        ok = torch.cat([sel_ok, tail <= pos], dim=1)
+        tok = torch.where(ok, tok, torch.zeros_like(tok))
+        block = tables.expand(tok.shape[0], -1).gather(1, (tok // bs).clamp_max(tables.shape[1] - 1))
+        lat = cache.latent.view(-1, self.kv_lora_rank)[block * bs + tok % bs].float()
+
+        scores = torch.matmul(q_lat, lat.transpose(1, 2)) * self.scale
+        scores = scores.masked_fill(~ok[:, None, :], torch.finfo(torch.float32).min)
+        probs = torch.softmax(scores, dim=-1)
+        return torch.matmul(probs, lat), selection

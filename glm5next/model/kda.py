@@ -1,0 +1,197 @@
+"""Kimi delta attention (KDA): the linear-attention layer of GLM-5.3-Flash.
+
+Per token: q/k/v projections through a causal depthwise short conv and SiLU, a
+bounded per-channel log-decay gate, a per-head write strength beta, the delta
+rule on an fp32 state [H, K, V] per sequence (see `kda_recurrence`), then a
+sigmoid-gated RMSNorm per head and the output projection.
+
+Decode rows run as one fixed-shape step over all decode sequences (CUDA-graph
+safe); prefill sequences run eagerly one at a time through the chunked delta
+rule. Casting points follow transformers' eager module: the conv runs with fp32
+weights and its SiLU output returns to the model dtype; beta is a sigmoid in
+the model dtype; the delta rule and the output norm run in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import KDA_L2_EPS, Glm5NextConfig
+from ..runtime.cache import KdaState
+from ..runtime.metadata import AttnMetadata
+from .kda_recurrence import kda_chunked, kda_step
+from .linear import Linear
+from .params import TensorSpec, set_param
+
+_LINEARS = ("q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj", "f_b_proj", "g_a_proj", "g_b_proj", "o_proj")
+_CONVS = ("q_conv1d", "k_conv1d", "v_conv1d")
+
+
+def l2_normalize(x: torch.Tensor) -> torch.Tensor:
+    """`x / sqrt(sum(x^2) + 1e-6)` over the last dim, in fp32 (eps inside the root, as the checkpoint was trained)."""
+    x = x.float()
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + KDA_L2_EPS)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`weight * x * rsqrt(mean(x^2) + eps) * sigmoid(gate)` over the last dim, all fp32, in x's dtype.
+
+    x, gate: [..., head_dim] (any float dtype); weight: [head_dim].
+    """
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return (y * torch.sigmoid(gate.float())).to(x.dtype)
+
+
+class KimiDeltaAttention(nn.Module):
+    """One KDA layer: `[T, hidden] -> [T, hidden]` over a step's decode and prefill sequences."""
+
+    def __init__(self, config: Glm5NextConfig, layer_idx: int) -> None:
+        super().__init__()
+        hidden, heads, dim = config.hidden_size, config.linear_num_heads, config.linear_head_dim
+        width = heads * dim
+        self.layer_idx = layer_idx
+        self.prefix = f"layers.{layer_idx}.self_attn"
+        self.hidden_size = hidden
+        self.num_heads = heads
+        self.head_dim = dim
+        self.conv_kernel = config.linear_conv_kernel_dim
+        self.lower_bound = config.linear_lower_bound
+        self.norm_eps = config.rms_norm_eps
+        self.q_proj = Linear(hidden, width)
+        self.k_proj = Linear(hidden, width)
+        self.v_proj = Linear(hidden, width)
+        self.b_proj = Linear(hidden, heads)
+        self.f_a_proj = Linear(hidden, dim)
+        self.f_b_proj = Linear(dim, width)
+        self.g_a_proj = Linear(hidden, dim)
+        self.g_b_proj = Linear(dim, width)
+        self.o_proj = Linear(width, hidden)
+        meta = dict(device="meta", dtype=torch.float32)
+        for name in _CONVS:
+            setattr(self, name, nn.Parameter(torch.empty(width, 1, self.conv_kernel, **meta), requires_grad=False))
+        self.A_log = nn.Parameter(torch.empty(heads, **meta), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(width, **meta), requires_grad=False)
+        self.o_norm_weight = nn.Parameter(torch.empty(dim, device="meta"), requires_grad=False)
+
+    def tensor_specs(self, prefix: str) -> dict[str, TensorSpec]:
+        """Every checkpoint tensor of the layer under `prefix` (e.g. `layers.0.self_attn`)."""
+        specs: dict[str, TensorSpec] = {}
+        for name in _LINEARS:
+            specs.update(getattr(self, name).tensor_specs(f"{prefix}.{name}"))
+
+        def setter(attr: str):
+            return lambda t, scale: set_param(self, attr, t)
+
+        width = self.num_heads * self.head_dim
+        for name in _CONVS:
+            specs[f"{prefix}.{name}.weight"] = TensorSpec((width, 1, self.conv_kernel), setter(name), keep_fp32=True)
+        specs[f"{prefix}.A_log"] = TensorSpec((self.num_heads,), setter("A_log"), keep_fp32=True)
+        specs[f"{prefix}.dt_bias"] = TensorSpec((width,), setter("dt_bias"), keep_fp32=True)
+        specs[f"{prefix}.o_norm.weight"] = TensorSpec((self.head_dim,), setter("o_norm_weight"))
+        return specs
+
+    # ------------------------------------------------------------ per-token maths
+    def log_decay(self, x: torch.Tensor) -> torch.Tensor:
+        """The per-channel log-decay `lower_bound * sigmoid(exp(A_log) * (f_b(f_a(x)) + dt_bias))` [T, H, K] fp32."""
+        raw = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
+        raw = raw.view(x.shape[0], self.num_heads, self.head_dim)
+        rate = self.A_log.float().exp().view(self.num_heads, 1)
+        return self.lower_bound * torch.sigmoid(rate * raw)
+
+    def conv_weight(self) -> torch.Tensor:
+        """The q|k|v depthwise conv taps [3 * H * K, conv_kernel] fp32."""
+        return torch.cat([getattr(self, name).float() for name in _CONVS]).squeeze(1)
+
+    def conv_silu(self, window: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """SiLU of the causal conv [N, 3HK, L] in `dtype`, of pre-conv rows [N, 3HK, conv_kernel - 1 + L].
+
+        The conv and the SiLU run in fp32 (the taps are fp32), as in transformers.
+        """
+        taps = self.conv_weight()
+        out = F.conv1d(window.float(), taps.unsqueeze(1), groups=taps.shape[0])
+        return F.silu(out).to(dtype)
+
+    def heads(self, act: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The delta-rule inputs (scaled unit q, unit k, v), each [..., H, K] fp32, of conv outputs [..., 3HK]."""
+        shape = (*act.shape[:-1], self.num_heads, self.head_dim)
+        q, k, v = (t.reshape(shape) for t in act.chunk(3, dim=-1))
+        return l2_normalize(q) * self.head_dim**-0.5, l2_normalize(k), v.float()
+
+    # ------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor, md: AttnMetadata, state: KdaState) -> torch.Tensor:
+        """The layer output [T, hidden] (x's dtype) of the step's tokens x [T, hidden]; updates `state`."""
+        nd = md.num_decodes
+        if md.num_decode_tokens != nd:
+            raise NotImplementedError("KDA decode takes one token per sequence; multi-token verify is not implemented")
+        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, 3HK]
+        decay = self.log_decay(x)
+        # transformers takes this sigmoid in the model dtype; the delta rule then upcasts it.
+        beta = torch.sigmoid(self.b_proj(x)).float()
+        parts = []
+        if nd:
+            slots = state.slots(md.state_indices[:nd])
+            parts.append(self._decode(mixed[:nd], decay[:nd], beta[:nd], slots, state))
+        starts = md.query_start_loc_cpu
+        for s in range(nd, nd + md.num_prefills):
+            a, b = starts[s], starts[s + 1]
+            slot = state.slots(md.state_indices[s : s + 1])
+            fresh = md.context_lens_cpu[s] == 0
+            parts.append(self._prefill(mixed[a:b], decay[a:b], beta[a:b], slot, fresh, state))
+        core = torch.cat(parts).to(x.dtype)  # [T, H, V]
+        gate = self.g_b_proj(self.g_a_proj(x)).view_as(core)
+        y = gated_rms_norm(core, gate, self.o_norm_weight, self.norm_eps)
+        return self.o_proj(y.reshape(x.shape[0], -1))
+
+    def _decode(
+        self, mixed: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor, state: KdaState
+    ) -> torch.Tensor:
+        """Delta-rule outputs [N, H, V] fp32 of one token per decode row; fixed shapes, no host syncs.
+
+        mixed: [N, 3HK] pre-conv rows; decay: [N, H, K] fp32; beta: [N, H] fp32;
+        slots: [N] int64 state slots (padding already redirected to the scratch slot).
+        """
+        window = torch.cat([state.conv[slots], mixed.unsqueeze(-1).to(state.conv.dtype)], dim=-1)
+        act = self.conv_silu(window, mixed.dtype)[..., -1]  # [N, 3HK]
+        # index_copy_ writes exactly the rows named by `slots`, so a padding row only ever lands in scratch.
+        state.conv.index_copy_(0, slots, window[..., 1:])
+        q, k, v = self.heads(act)
+        out, new_state = kda_step(q, k, v, decay, beta, state.recurrent[slots])
+        state.recurrent.index_copy_(0, slots, new_state)
+        return out
+
+    def _prefill(
+        self,
+        mixed: torch.Tensor,
+        decay: torch.Tensor,
+        beta: torch.Tensor,
+        slot: torch.Tensor,
+        fresh: bool,
+        state: KdaState,
+    ) -> torch.Tensor:
+        """Delta-rule outputs [L, H, V] fp32 of one prefill chunk; eager.
+
+        mixed: [L, 3HK] pre-conv rows; decay: [L, H, K] fp32; beta: [L, H] fp32;
+        slot: [1] int64 state slot; fresh: whether the sequence has no cached
+        tokens (then the slot's old contents are ignored).
+        """
+        keep = self.conv_kernel - 1
+        if fresh:
+            history = state.conv.new_zeros(1, mixed.shape[1], keep)
+            initial = state.recurrent.new_zeros(state.recurrent.shape[1:])
+        else:
+            history = state.conv[slot]
+            initial = state.recurrent[slot][0]
+        window = torch.cat([history, mixed.t().unsqueeze(0).to(history.dtype)], dim=-1)  # [1, 3HK, keep + L]
+        act = self.conv_silu(window, mixed.dtype)[0].t()  # [L, 3HK]
+        # The last `keep` pre-conv rows; for a chunk shorter than `keep` some come from the old window.
+        state.conv.index_copy_(0, slot, window[..., window.shape[-1] - keep :])
+        q, k, v = self.heads(act)
+        out, final = kda_chunked(q, k, v, decay, beta, initial)
+        state.recurrent.index_copy_(0, slot, final.unsqueeze(0))
+        return out
+
+    def extra_repr(self) -> str:
+        return f"layer={self.layer_idx}, heads={self.num_heads}, head_dim={self.head_dim}, conv={self.conv_kernel}"

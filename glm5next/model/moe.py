@@ -1,0 +1,146 @@
+"""The MoE FFN: fp32 sigmoid router, top-k routed experts, one unscaled shared expert."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ROUTER_NORM_EPS, Glm5NextConfig
+from .mlp import MLP, clamped_swiglu
+from .params import FP8_DTYPE, TensorSpec, dequantize_fp8, set_param
+
+
+class Router(nn.Module):
+    """Expert choice: sigmoid scores, bias for selection only, renormalised top-k, routed scale."""
+
+    def __init__(self, config: Glm5NextConfig) -> None:
+        super().__init__()
+        self.num_experts = config.n_routed_experts
+        self.top_k = config.num_experts_per_tok
+        self.hidden_size = config.hidden_size
+        self.norm_topk_prob = config.norm_topk_prob
+        self.routed_scaling_factor = config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(self.num_experts, self.hidden_size, device="meta"), requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(torch.empty(self.num_experts, device="meta"), requires_grad=False)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Router logits [T, E] fp32."""
+        return F.linear(x.float(), self.weight.float())
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chosen experts [T, k] int64 and their weights [T, k] fp32."""
+        scores = torch.sigmoid(self.logits(x))
+        ids = torch.topk(scores + self.e_score_correction_bias.float(), self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + ROUTER_NORM_EPS)
+        return ids, weights * self.routed_scaling_factor
+
+    def tensor_specs(self, prefix: str) -> dict[str, TensorSpec]:
+        """`{prefix}.weight` and `{prefix}.e_score_correction_bias`."""
+        return {
+            f"{prefix}.weight": TensorSpec(
+                (self.num_experts, self.hidden_size), lambda t, s: set_param(self, "weight", t), keep_fp32=True
+            ),
+            f"{prefix}.e_score_correction_bias": TensorSpec(
+                (self.num_experts,), lambda t, s: set_param(self, "e_score_correction_bias", t), keep_fp32=True
+            ),
+        }
+
+
+class RoutedExperts(nn.Module):
+    """Every routed expert's weights stacked: gate/up [E, I, D], down [E, D, I],
+    FP8 with block scales [E, ., .] when the checkpoint stores them so."""
+
+    NAMES = ("gate_proj", "up_proj", "down_proj")
+
+    def __init__(self, config: Glm5NextConfig) -> None:
+        super().__init__()
+        self.num_experts = config.n_routed_experts
+        self.swiglu_limit = config.swiglu_limit
+        d, i = config.hidden_size, config.moe_intermediate_size
+        self.shapes = {"gate_proj": (i, d), "up_proj": (i, d), "down_proj": (d, i)}
+        for name, shape in self.shapes.items():
+            setattr(self, name, nn.Parameter(torch.empty(self.num_experts, *shape, device="meta"), requires_grad=False))
+            setattr(self, f"{name}_scale_inv", None)
+
+    def _install(self, name: str, expert: int, t: torch.Tensor, scale: torch.Tensor | None) -> None:
+        stacked = getattr(self, name)
+        if stacked.is_meta:
+            stacked = nn.Parameter(torch.empty(self.num_experts, *t.shape, dtype=t.dtype, device=t.device),
+                                   requires_grad=False)
+            setattr(self, name, stacked)
+            if scale is not None:
+                grid = torch.empty(self.num_experts, *scale.shape, dtype=scale.dtype, device=scale.device)
+                setattr(self, f"{name}_scale_inv", nn.Parameter(grid, requires_grad=False))
+        if stacked.dtype != t.dtype or (scale is None) != (getattr(self, f"{name}_scale_inv") is None):
+            raise ValueError(f"expert {expert} {name}: every expert must share one storage dtype")
+        stacked.data[expert].copy_(t)
+        if scale is not None:
+            getattr(self, f"{name}_scale_inv").data[expert].copy_(scale)
+
+    def tensor_specs(self, prefix: str) -> dict[str, TensorSpec]:
+        """`{prefix}.{e}.{gate,up,down}_proj.weight` for every expert e (FP8 allowed)."""
+        specs = {}
+        for e in range(self.num_experts):
+            for name, shape in self.shapes.items():
+                install = (lambda n, e: lambda t, s: self._install(n, e, t, s))(name, e)
+                specs[f"{prefix}.{e}.{name}.weight"] = TensorSpec(shape, install, fp8_ok=True)
+        return specs
+
+    def weight(self, name: str, expert: int | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """One expert's `name` weight as a plain `dtype` matrix."""
+        w = getattr(self, name)[expert]
+        if w.dtype == FP8_DTYPE:
+            return dequantize_fp8(w, getattr(self, f"{name}_scale_inv")[expert], dtype)
+        return w.to(dtype)
+
+    def expert(self, e: int | torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Expert `e` applied to rows `x` [N, D]."""
+        g = F.linear(x, self.weight("gate_proj", e, x.dtype))
+        u = F.linear(x, self.weight("up_proj", e, x.dtype))
+        return F.linear(clamped_swiglu(g, u, self.swiglu_limit), self.weight("down_proj", e, x.dtype))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, graph_safe: bool) -> torch.Tensor:
+        """Σ_k weights[t, k] * expert_{ids[t, k]}(x[t]) for x [T, D], in x's dtype.
+
+        `graph_safe` runs every expert over every row with zero weight for the
+        unselected ones: static shapes, no host sync. Otherwise only the hit
+        experts run, on their own rows.
+        """
+        out = torch.zeros_like(x)
+        if graph_safe:
+            for e in range(self.num_experts):
+                w = (weights * (ids == e)).sum(-1, keepdim=True)
+                out += (self.expert(e, x) * w).to(x.dtype)
+            return out
+        for e in torch.unique(ids).tolist():
+            rows, slot = torch.nonzero(ids == e, as_tuple=True)
+            y = self.expert(e, x[rows]) * weights[rows, slot, None]
+            out.index_add_(0, rows, y.to(x.dtype))
+        return out
+
+
+class MoE(nn.Module):
+    """Routed experts plus the shared expert (which is not scaled)."""
+
+    def __init__(self, config: Glm5NextConfig) -> None:
+        super().__init__()
+        self.gate = Router(config)
+        self.experts = RoutedExperts(config)
+        width = config.moe_intermediate_size * config.n_shared_experts
+        self.shared_experts = MLP(config.hidden_size, width, config.swiglu_limit)
+
+    def forward(self, x: torch.Tensor, graph_safe: bool = False) -> torch.Tensor:
+        ids, weights = self.gate(x)
+        return self.experts(x, ids, weights, graph_safe) + self.shared_experts(x)
+
+    def tensor_specs(self, prefix: str) -> dict[str, TensorSpec]:
+        """Router, routed experts and shared expert tensors under `prefix` (e.g. `layers.3.mlp`)."""
+        return {
+            **self.gate.tensor_specs(f"{prefix}.gate"),
+            **self.experts.tensor_specs(f"{prefix}.experts"),
+            **self.shared_experts.tensor_specs(f"{prefix}.shared_experts"),
+        }
+

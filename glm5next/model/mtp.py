@@ -1,0 +1,64 @@
+"""The MTP draft layer: one plain pre-norm DSA + MoE block over [embedding | hidden]."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import Glm5NextConfig
+from ..runtime.cache import ModelCache
+from ..runtime.metadata import CUDAGraphMode, ForwardContext
+from .dsa import SparseMLA
+from .linear import Linear
+from .moe import MoE
+from .norm import RMSNorm
+from .params import TensorSpec
+
+
+class MtpLayer(nn.Module):
+    """Checkpoint layer `num_hidden_layers`: proposes the token after next from the
+    trunk's post-norm hidden state and the embedding of the next token."""
+
+    def __init__(self, config: Glm5NextConfig) -> None:
+        super().__init__()
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.layer_idx = config.mtp_layer_idx
+        self.prefix = f"layers.{self.layer_idx}"
+        self.enorm = RMSNorm(d, eps)
+        self.hnorm = RMSNorm(d, eps)
+        self.eh_proj = Linear(2 * d, d)
+        self.input_layernorm = RMSNorm(d, eps)
+        self.post_attention_layernorm = RMSNorm(d, eps)
+        self.self_attn = SparseMLA(config, self.layer_idx)
+        self.mlp = MoE(config)
+        self.shared_head_norm = RMSNorm(d, eps)
+
+    def forward(
+        self, embedded: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext, cache: ModelCache
+    ) -> torch.Tensor:
+        """The draft hidden state [T, D] (post shared-head norm, fed to the trunk LM head).
+
+        `embedded` [T, D]: embeddings of the tokens after each slot; `hidden`
+        [T, D]: the trunk's post-norm hidden states at each slot. The embedding
+        is zeroed at position 0.
+        """
+        md = ctx.metadata(self.self_attn.prefix)
+        first = (md.positions == 0).unsqueeze(-1)
+        embedded = torch.where(first, torch.zeros_like(embedded), embedded)
+        z = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
+        r = self.self_attn(self.input_layernorm(z), md, cache.dsa[self.layer_idx]) + z
+        graph_safe = ctx.cudagraph_mode != CUDAGraphMode.NONE
+        f = self.mlp(self.post_attention_layernorm(r), graph_safe=graph_safe)
+        return self.shared_head_norm(f + r)
+
+    def tensor_specs(self) -> dict[str, TensorSpec]:
+        """Every checkpoint tensor of the MTP layer."""
+        p = self.prefix
+        specs = {}
+        for name in ("enorm", "hnorm", "input_layernorm", "post_attention_layernorm"):
+            specs.update(getattr(self, name).tensor_specs(f"{p}.{name}"))
+        specs.update(self.shared_head_norm.tensor_specs(f"{p}.shared_head.norm"))
+        specs.update(self.eh_proj.tensor_specs(f"{p}.eh_proj"))
+        specs.update(self.self_attn.tensor_specs(f"{p}.self_attn"))
+        specs.update(self.mlp.tensor_specs(f"{p}.mlp"))
+        return specs
