@@ -7,22 +7,24 @@ import sys
 import torch
 
 
-def import_hf():
-    """transformers' GLM-5.3-Flash classes, imported with flash-linear-attention hidden
-    (otherwise its modeling code routes KDA to GPU kernels)."""
-    saved = {k: sys.modules[k] for k in list(sys.modules) if k == "fla" or k.startswith("fla.")}
-    for k in saved:
-        del sys.modules[k]
+def hf_modeling():
+    """transformers' glm5_next modeling module, imported with flash-linear-attention
+    hidden (otherwise its modeling code routes KDA to GPU kernels)."""
+    saved = {k: sys.modules.pop(k) for k in list(sys.modules) if k == "fla" or k.startswith("fla.")}
     sys.modules["fla"] = None
     try:
         import transformers
-        from transformers import Glm5NextForConditionalGeneration
-        from transformers.models.glm5_next import modeling_glm5_next  # noqa: F401
+        from transformers.models.glm5_next import modeling_glm5_next
     finally:
         del sys.modules["fla"]
         sys.modules.update(saved)
     transformers.logging.set_verbosity_error()
-    return Glm5NextForConditionalGeneration
+    return modeling_glm5_next
+
+
+def import_hf():
+    """transformers' `Glm5NextForConditionalGeneration` (see `hf_modeling`)."""
+    return hf_modeling().Glm5NextForConditionalGeneration
 
 
 class HfRunner:

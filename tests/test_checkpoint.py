@@ -19,6 +19,7 @@ from glm5next.checkpoint.writer import TINY_TEXT_CONFIG, make_tiny_checkpoint, w
 from glm5next.config import Glm5NextConfig
 from glm5next.model.params import FP8_DTYPE, TensorSpec, dequantize_fp8, scale_shape
 from glm5next.tokenizer import Tokenizer, TokenizerError, render_simple_template
+from .hf_oracle import hf_modeling
 
 STORED = {FP8: FP8_DTYPE, BF16: torch.bfloat16, FP32: torch.float32}
 MTP = "layers.8."
@@ -209,15 +210,9 @@ def test_config_json_is_the_wrapper_form_and_round_trips(ckpt, config):
 
 def import_transformers():
     """transformers, imported with flash-linear-attention hidden (CPU reference code paths)."""
-    saved = {k: sys.modules.pop(k) for k in list(sys.modules) if k == "fla" or k.startswith("fla.")}
-    sys.modules["fla"] = None
-    try:
-        import transformers
-        from transformers.models.glm5_next import modeling_glm5_next  # noqa: F401
-    finally:
-        del sys.modules["fla"]
-        sys.modules.update(saved)
-    transformers.logging.set_verbosity_error()
+    hf_modeling()
+    import transformers
+
     return transformers
 
 

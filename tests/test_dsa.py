@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import sys
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from glm5next.model.params import install_random
 from glm5next.runtime.cache import DsaCache
 from glm5next.runtime.metadata import build_metadata
 from tests.dsa_reference import reference_dsa
+from .hf_oracle import hf_modeling
 
 SIZES = dict(
     hidden_size=64, num_attention_heads=2, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, v_head_dim=16,
@@ -89,14 +89,8 @@ def test_prefill_and_decode_match_spec_reference(n):
 
 def _hf_attention(layer: SparseMLA, dtype):
     """transformers' Glm5NextTextAttention with `layer`'s weights, and its config (fla hidden)."""
-    saved = {k: sys.modules.pop(k) for k in list(sys.modules) if k == "fla" or k.startswith("fla.")}
-    sys.modules["fla"] = None
-    try:
-        from transformers.models.glm5_next import modeling_glm5_next as hf
-        from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
-    finally:
-        del sys.modules["fla"]
-        sys.modules.update(saved)
+    hf = hf_modeling()
+    Glm5NextTextConfig = hf.Glm5NextTextConfig
     cfg = Glm5NextTextConfig(
         vocab_size=128, pad_token_id=0, num_hidden_layers=1, num_key_value_heads=2, qk_rope_head_dim=0,
         layer_types=["indexed_attention"], mlp_layer_types=["dense"], **SIZES,
