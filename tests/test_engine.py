@@ -55,8 +55,9 @@ def test_stop_string_truncates_text(llm):
         (dict(top_k=-5), "top_k"),
         (dict(max_tokens=0), "max_tokens"),
         (dict(stop=[""]), "stop"),
+        (dict(min_p=1.5), "min_p"),
     ],
-    ids=["negative-temperature", "zero-top-p", "bad-top-k", "zero-max-tokens", "empty-stop"],
+    ids=["negative-temperature", "zero-top-p", "bad-top-k", "zero-max-tokens", "empty-stop", "min-p-above-one"],
 )
 def test_impossible_sampling_parameters_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):

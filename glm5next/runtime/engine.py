@@ -10,7 +10,8 @@ import torch
 from ..model.backbone import Glm5NextModel
 from ..tokenizer import Tokenizer
 from .cache import ModelCache
-from .runner import BlockPool, Runner, Sequence
+from .runner import Runner
+from .scheduler import BlockManager, Request, Scheduler
 from .sampler import SamplingParams, sample
 
 __all__ = ["LLM", "SamplingParams", "CompletionOutput", "RequestOutput"]
@@ -51,6 +52,7 @@ class LLM:
         max_model_len: int | None = None,
         block_size: int = 16,
         prefill_chunk: int = 2048,
+        max_num_seqs: int = 256,
         progress: bool = True,
     ) -> None:
         if dtype not in _DTYPES:
@@ -71,6 +73,7 @@ class LLM:
             )
         self.block_size = block_size
         self.prefill_chunk = prefill_chunk
+        self.max_num_seqs = max_num_seqs
         self.eos_token_ids = set(self.tokenizer.eos_token_ids or self.config.eos_token_ids)
 
     # ------------------------------------------------------------------ inputs
@@ -107,36 +110,35 @@ class LLM:
         blocks = sum(-(-(len(ids) + b) // self.block_size) for (_, ids), b in zip(inputs, budgets))
         cache = ModelCache(self.config, blocks, self.block_size, len(prompts), self.dtype, self.device,
                            include_mtp=False)
-        pool = BlockPool(blocks, len(prompts))
         runner = Runner(self.model, cache)
-        seqs = []
-        for (_, ids), b in zip(inputs, budgets):
-            s = Sequence(list(ids), pool.take_slot())
-            pool.grow(s, len(ids) + b, self.block_size)
-            seqs.append(s)
+        sched = Scheduler(BlockManager(blocks, len(prompts), self.block_size), self.max_num_seqs, self.prefill_chunk)
+        reqs = [Request(str(i), list(ids), b) for i, ((_, ids), b) in enumerate(zip(inputs, budgets))]
+        for r in reqs:
+            sched.add_request(r)
         gens = [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in params]
         outs = [CompletionOutput(0, "", [], None) for _ in prompts]
-        live = list(range(len(prompts)))
         bar = _progress(len(prompts), use_tqdm)
-        while live:
-            logits = runner.step([seqs[i] for i in live], self.prefill_chunk)
-            still = []
-            for row, i in enumerate(live):
-                s = seqs[i]
-                if s.num_cached < len(s.token_ids):  # prompt still prefilling
-                    still.append(i)
-                    continue
-                tok = sample(logits[row], params[i], gens[i])
-                s.token_ids.append(tok)
-                outs[i].token_ids.append(tok)
-                reason = self._finish(outs[i], params[i], budgets[i])
-                if reason is None:
-                    still.append(i)
-                else:
+        while sched.has_unfinished:
+            out = sched.schedule()
+            if not out.scheduled:
+                raise RuntimeError("the scheduler could not place any request in the cache")
+            items = [(r.token_ids, r.num_computed, n, r.slot, r.block_ids) for r, n in out.scheduled]
+            logits = runner.execute(items, len(out.decodes))
+            sampled = {}
+            for row, (r, n) in enumerate(out.scheduled):
+                if r.num_computed + n == len(r.token_ids):  # the prompt is complete: a new token
+                    i = int(r.request_id)
+                    sampled[r.request_id] = sample(logits[row], params[i], gens[i])
+            ended = {r.request_id for r in sched.update(out, sampled)}
+            for rid in sampled:
+                i = int(rid)
+                outs[i].token_ids = reqs[i].output_token_ids
+                reason = "length" if rid in ended else self._finish(outs[i], params[i])
+                if reason is not None:
                     outs[i].finish_reason = reason
-                    pool.release(s)
+                    if rid not in ended:
+                        sched.finish(rid, reason)
                     bar.update(1)
-            live = still
         bar.close()
         results = []
         for i, (text, ids) in enumerate(inputs):
@@ -145,7 +147,8 @@ class LLM:
             results.append(RequestOutput(str(i), text, ids, [outs[i]], True))
         return results
 
-    def _finish(self, out: CompletionOutput, p: SamplingParams, budget: int) -> str | None:
+    def _finish(self, out: CompletionOutput, p: SamplingParams) -> str | None:
+        """'stop' when the newest token or the text so far ends the request, else None."""
         tok = out.token_ids[-1]
         if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
             return "stop"
@@ -155,8 +158,6 @@ class LLM:
             if hits:
                 out.text = text[: min(hits)]
                 return "stop"
-        if len(out.token_ids) >= budget:
-            return "length"
         return None
 
 

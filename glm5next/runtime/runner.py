@@ -27,31 +27,6 @@ class Sequence:
         return self.num_cached == len(self.token_ids) - 1 and self.num_cached > 0
 
 
-class BlockPool:
-    """Free lists of paged blocks and KDA state slots."""
-
-    def __init__(self, num_blocks: int, num_slots: int) -> None:
-        self.free_blocks = list(range(num_blocks - 1, -1, -1))
-        self.free_slots = list(range(num_slots - 1, -1, -1))
-
-    def take_slot(self) -> int:
-        if not self.free_slots:
-            raise RuntimeError("no free KDA state slot")
-        return self.free_slots.pop()
-
-    def grow(self, seq: Sequence, tokens: int, block_size: int) -> None:
-        """Give `seq` enough blocks to hold `tokens` tokens."""
-        need = -(-tokens // block_size) - len(seq.blocks)
-        if need > len(self.free_blocks):
-            raise RuntimeError(f"out of cache blocks: need {need}, {len(self.free_blocks)} free")
-        seq.blocks.extend(self.free_blocks.pop() for _ in range(max(need, 0)))
-
-    def release(self, seq: Sequence) -> None:
-        self.free_blocks.extend(reversed(seq.blocks))
-        self.free_slots.append(seq.slot)
-        seq.blocks = []
-
-
 class Runner:
     """Runs the stock backbone one step at a time over paged caches."""
 
@@ -71,27 +46,33 @@ class Runner:
         """
         order = sorted(range(len(seqs)), key=lambda i: not seqs[i].is_decode)
         ordered = [seqs[i] for i in order]
-        num_decodes = sum(s.is_decode for s in ordered)
-        query_lens, context_lens, ids = [], [], []
+        items = []
         for s in ordered:
             q = len(s.token_ids) - s.num_cached
-            if max_chunk is not None:
-                q = min(q, max_chunk)
-            query_lens.append(q)
-            context_lens.append(s.num_cached)
-            ids.extend(s.token_ids[s.num_cached : s.num_cached + q])
-        md = build_metadata(
-            query_lens, context_lens, num_decodes,
-            [s.slot for s in ordered], [s.blocks for s in ordered],
-            self.cache.block_size, self.device,
-        )
-        ctx = ForwardContext({p: md for p in self.prefixes}, md.positions, CUDAGraphMode.NONE)
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        hidden = self.model(input_ids, ctx, self.cache)
-        last = torch.tensor(md.query_start_loc_cpu[1:], device=self.device) - 1
-        logits = self.model.compute_logits(hidden[last])
-        for s, q in zip(ordered, query_lens):
-            s.num_cached += q
+            items.append((s.token_ids, s.num_cached, q if max_chunk is None else min(q, max_chunk), s.slot, s.blocks))
+        logits = self.execute(items, sum(s.is_decode for s in ordered))
+        for s, item in zip(ordered, items):
+            s.num_cached += item[2]
         out = torch.empty_like(logits)
         out[torch.tensor(order, device=self.device)] = logits
         return out
+
+    @torch.inference_mode()
+    def execute(self, items: list[tuple[list[int], int, int, int, list[int]]], num_decodes: int) -> torch.Tensor:
+        """The fp32 logits [len(items), vocab] of each item's last run token.
+
+        Each item is `(token_ids, num_computed, num_tokens, slot, blocks)`: run
+        `token_ids[num_computed : num_computed + num_tokens]` after `num_computed`
+        cached tokens. The first `num_decodes` items decode one token each.
+        """
+        query_lens = [n for _, _, n, _, _ in items]
+        ids = [t for toks, c, n, _, _ in items for t in toks[c : c + n]]
+        md = build_metadata(
+            query_lens, [c for _, c, _, _, _ in items], num_decodes,
+            [slot for *_, slot, _ in items], [blocks for *_, blocks in items],
+            self.cache.block_size, self.device,
+        )
+        ctx = ForwardContext({p: md for p in self.prefixes}, md.positions, CUDAGraphMode.NONE)
+        hidden = self.model(torch.tensor(ids, dtype=torch.int64, device=self.device), ctx, self.cache)
+        last = torch.tensor(md.query_start_loc_cpu[1:], device=self.device) - 1
+        return self.model.compute_logits(hidden[last])

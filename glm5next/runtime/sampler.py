@@ -16,6 +16,8 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1
     """-1 (or 0) keeps every token."""
+    min_p: float = 0.0
+    """Drops tokens whose probability is below min_p times the top probability."""
     max_tokens: int = 16
     seed: int | None = None
     stop: str | list[str] | None = None
@@ -29,6 +31,8 @@ class SamplingParams:
             raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k={self.top_k!r} must be -1 (off), 0 (off) or a positive integer")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p={self.min_p!r} must be in [0, 1]")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens={self.max_tokens!r} must be a positive integer")
         if self.seed is not None and not isinstance(self.seed, int):
@@ -52,7 +56,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities [vocab] after temperature, top-k and top-p."""
+    """Probabilities [vocab] after temperature, top-k, top-p and min-p."""
     logits = logits.float() / params.temperature
     if params.top_k > 0 and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k).values[-1]
@@ -64,5 +68,8 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         drop = (torch.cumsum(sorted_p, -1) - sorted_p) >= params.top_p
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+        probs = probs / probs.sum()
+    if params.min_p > 0.0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
         probs = probs / probs.sum()
     return probs
