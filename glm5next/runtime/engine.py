@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -176,7 +175,3 @@ def _progress(total: int, enabled: bool):
 
     return tqdm(total=total, desc="generate", unit="req")
 
-
-def tokens_per_second(n_tokens: int, start: float) -> float:
-    """Throughput since `start` (a `time.perf_counter()` value)."""
-    return n_tokens / max(time.perf_counter() - start, 1e-9)

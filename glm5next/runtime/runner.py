@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import DSA
 from ..model.backbone import Glm5NextModel
 from .cache import ModelCache
 from .metadata import CUDAGraphMode, ForwardContext, build_metadata
@@ -33,9 +32,8 @@ class Runner:
     def __init__(self, model: Glm5NextModel, cache: ModelCache) -> None:
         self.model = model
         self.cache = cache
-        self.device = cache.kda[next(iter(cache.kda))].conv.device if cache.kda else next(iter(cache.dsa.values())).latent.device
+        self.device = model.embed_tokens.device
         self.prefixes = [layer.self_attn.prefix for layer in model.layers]
-        self.dsa_prefixes = [layer.self_attn.prefix for layer in model.layers if layer.layer_kind == DSA]
 
     @torch.inference_mode()
     def step(self, seqs: list[Sequence], max_chunk: int | None = None) -> torch.Tensor:
