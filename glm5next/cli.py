@@ -33,10 +33,10 @@ def cmd_make_tiny(args) -> int:
 def _run(model: str, prompts: list[str], args) -> int:
     from . import LLM, SamplingParams
 
-    llm = LLM(model, dtype=args.dtype, device=args.device, progress=False)
+    llm = LLM(model, progress=False, **engine_kwargs(args))
     params = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        max_tokens=args.max_tokens, seed=args.seed,
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        max_tokens=args.max_tokens, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
     )
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -57,14 +57,44 @@ def cmd_demo(args) -> int:
     return _run(model, args.prompt or ["Hello, GLM!", "The quick brown fox"], args)
 
 
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine options shared by generate, demo, serve and bench."""
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step (prefill chunking)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per paged cache block")
+    p.add_argument("--num-blocks", type=int, default=None, help="paged cache blocks (default: from the memory budget)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory to use")
+    p.add_argument("--enforce-eager", action="store_true", help="never replay CUDA graphs")
+    p.add_argument("--cuda-graph-sizes", default=None, help="decode sizes to capture, e.g. 1,2,4,8 (default: 1..64)")
+
+
+def engine_kwargs(args) -> dict:
+    """`LLMEngine` keyword arguments from the options of `add_engine_args`."""
+    kw = dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+              num_blocks=args.num_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
+              enforce_eager=args.enforce_eager)
+    if args.cuda_graph_sizes:
+        try:
+            kw["capture_sizes"] = [int(x) for x in args.cuda_graph_sizes.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"--cuda-graph-sizes={args.cuda_graph_sizes!r}: give integers separated by commas")
+    return kw
+
+
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--max-tokens", type=int, default=max_tokens)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    add_engine_args(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-mtp", action="store_true")
     p.set_defaults(func=cmd_make_tiny)
+    from .bench.cli import add_bench_parser
+    from .server.cli import add_serve_parser
+
+    add_serve_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 

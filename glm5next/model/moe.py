@@ -105,11 +105,15 @@ class RoutedExperts(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, graph_safe: bool) -> torch.Tensor:
         """Σ_k weights[t, k] * expert_{ids[t, k]}(x[t]) for x [T, D], in x's dtype.
 
-        `graph_safe` runs every expert over every row with zero weight for the
-        unselected ones: static shapes, no host sync. Otherwise only the hit
+        `graph_safe` keeps shapes static and the host out of the loop: when the
+        step has fewer (token, expert) pairs than experts, each pair gathers its
+        expert's weights (in fixed chunks); otherwise every expert runs over every
+        row with zero weight for the unselected ones. Eagerly, only the hit
         experts run, on their own rows.
         """
         out = torch.zeros_like(x)
+        if graph_safe and ids.numel() < self.num_experts:
+            return self._pairs(x, ids, weights)
         if graph_safe:
             for e in range(self.num_experts):
                 w = (weights * (ids == e)).sum(-1, keepdim=True)
@@ -120,6 +124,26 @@ class RoutedExperts(nn.Module):
             y = self.expert(e, x[rows]) * weights[rows, slot, None]
             out.index_add_(0, rows, y.to(x.dtype))
         return out
+
+    PAIR_CHUNK = 16
+    """(token, expert) pairs whose dequantized weights the graph-safe path holds at once."""
+
+    def _pairs(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The graph-safe sum over gathered (token, expert) pairs, in token order then k."""
+        t, k = ids.shape
+        flat_ids = ids.reshape(-1)
+        rows = torch.arange(t, device=x.device).repeat_interleave(k)
+        flat_w = weights.reshape(-1)
+        acc = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
+        for a in range(0, t * k, self.PAIR_CHUNK):
+            e, r = flat_ids[a : a + self.PAIR_CHUNK], rows[a : a + self.PAIR_CHUNK]
+            xr = x[r][:, None, :]  # [P, 1, D]
+            g = (xr @ self.weight("gate_proj", e, x.dtype).transpose(1, 2)).squeeze(1)
+            u = (xr @ self.weight("up_proj", e, x.dtype).transpose(1, 2)).squeeze(1)
+            h = clamped_swiglu(g, u, self.swiglu_limit)[:, None, :]
+            y = (h @ self.weight("down_proj", e, x.dtype).transpose(1, 2)).squeeze(1)
+            acc.index_add_(0, r, y.float() * flat_w[a : a + self.PAIR_CHUNK, None])
+        return acc.to(x.dtype)
 
 
 class MoE(nn.Module):

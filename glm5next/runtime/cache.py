@@ -125,3 +125,13 @@ class ModelCache:
         conv = 3 * config.kda_dim * (config.linear_conv_kernel_dim - 1) * torch.tensor([], dtype=dtype).element_size()
         rec = config.linear_num_heads * config.linear_head_dim**2 * 4
         return n * (conv + rec)
+
+
+def blocks_for_budget(
+    config: Glm5NextConfig, budget_bytes: int, block_size: int, num_slots: int, dtype: torch.dtype,
+    include_mtp: bool = True,
+) -> int:
+    """Paged blocks that fit in `budget_bytes` once `num_slots` KDA slots (and the scratch block and slot) are paid."""
+    per_block = ModelCache.bytes_per_block(config, block_size, dtype, include_mtp)
+    rest = budget_bytes - (num_slots + 1) * ModelCache.bytes_per_slot(config, dtype) - per_block
+    return max(rest // per_block, 0)

@@ -1,4 +1,11 @@
-"""One forward step over a set of sequences: metadata, caches, logits."""
+"""One forward step over a set of sequences: metadata, caches, logits.
+
+Pure-decode steps of a captured size replay a CUDA graph; every other step runs
+eagerly. Graphs are captured once per size in `capture_sizes`, largest first,
+into one memory pool. A replayed step reads its inputs from static device
+buffers that the runner refills before each replay (one host-to-device copy);
+rows past the step's decodes are padding with slot -1 and write no cache.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +15,13 @@ import torch
 
 from ..model.backbone import Glm5NextModel
 from .cache import ModelCache
-from .metadata import CUDAGraphMode, ForwardContext, build_metadata
+from .metadata import AttnMetadata, CUDAGraphMode, ForwardContext, build_metadata
+
+DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+"""Decode sizes captured by default; a step of n decodes replays the smallest size >= n."""
+
+Item = tuple[list[int], int, int, int, list[int]]
+"""(token_ids, num_computed, num_tokens, slot, blocks): one sequence's share of a step."""
 
 
 @dataclass
@@ -26,15 +39,81 @@ class Sequence:
         return self.num_cached == len(self.token_ids) - 1 and self.num_cached > 0
 
 
-class Runner:
-    """Runs the stock backbone one step at a time over paged caches."""
+def check_capture_sizes(sizes) -> tuple[int, ...]:
+    """`sizes` as a sorted tuple of distinct positive integers, or a ValueError naming the bad one."""
+    out = sorted(set(sizes))
+    bad = [s for s in out if not isinstance(s, int) or s < 1]
+    if bad or not out:
+        raise ValueError(f"capture_sizes={list(sizes)!r}: every size must be a positive integer (got {bad or 'none'})")
+    return tuple(out)
 
-    def __init__(self, model: Glm5NextModel, cache: ModelCache) -> None:
+
+class _StaticInputs:
+    """Device buffers a captured graph reads, with a pinned host mirror filled per step."""
+
+    FIELDS = ("input_ids", "positions", "token_to_seq", "slot_mapping", "state_indices", "seq_lens")
+
+    def __init__(self, size: int, max_blocks: int, device: torch.device) -> None:
+        self.size, self.max_blocks = size, max_blocks
+        width = len(self.FIELDS) * size + size * max_blocks
+        self.device_buf = torch.zeros(width, dtype=torch.int64, device=device)
+        self.host_buf = torch.zeros(width, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.views = {}
+        for i, name in enumerate(self.FIELDS):
+            self.views[name] = self.device_buf[i * size : (i + 1) * size]
+        start = len(self.FIELDS) * size
+        self.views["block_tables"] = self.device_buf[start:].view(size, max_blocks)
+
+    def metadata(self, n: int) -> AttnMetadata:
+        """Decode metadata of `n` rows over the first n rows of every buffer."""
+        v = self.views
+        return AttnMetadata(
+            num_prefills=0, num_prefill_tokens=0, num_decodes=n, num_decode_tokens=n,
+            positions=v["positions"][:n], token_to_seq=v["token_to_seq"][:n], slot_mapping=v["slot_mapping"][:n],
+            state_indices=v["state_indices"][:n], block_tables=v["block_tables"][:n], seq_lens=v["seq_lens"][:n],
+        )
+
+    def load(self, ids: list[int], md: AttnMetadata) -> None:
+        """Write one step's decode inputs (host metadata built for the padded size) and copy them over."""
+        n = md.num_decodes
+        h = self.host_buf
+        s = self.size
+        h[:n] = torch.tensor(ids, dtype=torch.int64)
+        for i, name in enumerate(self.FIELDS[1:], start=1):
+            h[i * s : i * s + n] = getattr(md, name)
+        tables = h[len(self.FIELDS) * s :].view(s, self.max_blocks)
+        tables[:n] = md.block_tables
+        self.device_buf.copy_(h, non_blocking=True)
+
+
+class Runner:
+    """Runs the stock backbone one step at a time over paged caches.
+
+    `capture()` records one CUDA graph per size in `capture_sizes`; after it,
+    `execute` replays them for pure-decode steps of up to the largest size.
+    """
+
+    def __init__(
+        self,
+        model: Glm5NextModel,
+        cache: ModelCache,
+        max_model_len: int | None = None,
+        capture_sizes=DEFAULT_CAPTURE_SIZES,
+    ) -> None:
         self.model = model
         self.cache = cache
         self.device = model.embed_tokens.device
         self.prefixes = [layer.self_attn.prefix for layer in model.layers]
+        self.capture_sizes = check_capture_sizes(capture_sizes)
+        max_model_len = max_model_len or model.config.max_position_embeddings
+        self.max_blocks = -(-max_model_len // cache.block_size)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.static: _StaticInputs | None = None
+        self.graph_mode = False
+        """Run graph-eligible steps eagerly, but as a capture would (static shapes, FULL mode)."""
+        self.num_replays = 0
 
+    # ------------------------------------------------------------------ eager
     @torch.inference_mode()
     def step(self, seqs: list[Sequence], max_chunk: int | None = None) -> torch.Tensor:
         """Run every sequence's uncached tokens (decodes first) and return the fp32
@@ -56,13 +135,17 @@ class Runner:
         return out
 
     @torch.inference_mode()
-    def execute(self, items: list[tuple[list[int], int, int, int, list[int]]], num_decodes: int) -> torch.Tensor:
+    def execute(self, items: list[Item], num_decodes: int, allow_graph: bool = True) -> torch.Tensor:
         """The fp32 logits [len(items), vocab] of each item's last run token.
 
         Each item is `(token_ids, num_computed, num_tokens, slot, blocks)`: run
         `token_ids[num_computed : num_computed + num_tokens]` after `num_computed`
         cached tokens. The first `num_decodes` items decode one token each.
+        `allow_graph=False` runs the step eagerly even where a graph exists.
         """
+        size = self.graph_size(len(items), num_decodes)
+        if allow_graph and size is not None and (self.graphs or self.graph_mode):
+            return self._decode_graph(items, size)
         query_lens = [n for _, _, n, _, _ in items]
         ids = [t for toks, c, n, _, _ in items for t in toks[c : c + n]]
         md = build_metadata(
@@ -74,3 +157,63 @@ class Runner:
         hidden = self.model(torch.tensor(ids, dtype=torch.int64, device=self.device), ctx, self.cache)
         last = torch.tensor(md.query_start_loc_cpu[1:], device=self.device) - 1
         return self.model.compute_logits(hidden[last])
+
+    # ----------------------------------------------------------------- graphs
+    def graph_size(self, num_items: int, num_decodes: int) -> int | None:
+        """The captured size a step of `num_items` sequences replays, or None (eager)."""
+        if num_decodes != num_items or num_items == 0:
+            return None
+        return next((s for s in self.capture_sizes if s >= num_items), None)
+
+    def _ensure_static(self) -> _StaticInputs:
+        if self.static is None:
+            self.static = _StaticInputs(self.capture_sizes[-1], self.max_blocks, self.device)
+        return self.static
+
+    def _forward(self, size: int) -> torch.Tensor:
+        """The decode forward of `size` rows over the static buffers, to fp32 logits."""
+        st = self._ensure_static()
+        md = st.metadata(size)
+        ctx = ForwardContext({p: md for p in self.prefixes}, md.positions, CUDAGraphMode.FULL)
+        hidden = self.model(st.views["input_ids"][:size], ctx, self.cache)
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def load_decode(self, items: list[Item], size: int) -> None:
+        """Fill the static buffers for `items` (one token each) padded to `size` rows."""
+        pad = size - len(items)
+        md = build_metadata(
+            [1] * size, [c for _, c, _, _, _ in items] + [0] * pad, size,
+            [slot for *_, slot, _ in items] + [-1] * pad, [b for *_, b in items] + [[]] * pad,
+            self.cache.block_size, "cpu", max_blocks=self.max_blocks,
+        )
+        self._ensure_static().load([toks[c] for toks, c, _, _, _ in items] + [0] * pad, md)
+
+    def _decode_graph(self, items: list[Item], size: int) -> torch.Tensor:
+        self.load_decode(items, size)
+        if size in self.graphs:
+            graph, logits = self.graphs[size]
+            graph.replay()
+            self.num_replays += 1
+        else:
+            logits = self._forward(size)
+        return logits[: len(items)]
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Record one CUDA graph per capture size, largest first, into one memory pool."""
+        if self.device.type != "cuda":
+            raise RuntimeError("CUDA graphs need a CUDA device; this runner's model is on " + str(self.device))
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        for size in reversed(self.capture_sizes):
+            self.load_decode([], size)  # every row padding: nothing real is written
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self._forward(size)  # warm-up: lazy initialisation happens outside the capture
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self._forward(size)
+            self.graphs[size] = (graph, logits)
+        torch.cuda.synchronize()

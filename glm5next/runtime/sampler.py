@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+MAX_LOGPROBS = 20
+"""The most alternatives a request may ask log-probabilities for."""
+
 
 @dataclass
 class SamplingParams:
@@ -23,6 +26,9 @@ class SamplingParams:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None
+    """Return the logprob of each chosen token and of the `logprobs` most likely ones (0 to 20); None: none."""
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0) or self.temperature == float("inf"):
@@ -37,6 +43,10 @@ class SamplingParams:
             raise ValueError(f"max_tokens={self.max_tokens!r} must be a positive integer")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed={self.seed!r} must be an integer")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs={self.logprobs!r} must be None or an integer in [0, {MAX_LOGPROBS}]")
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(isinstance(t, int) for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must be a list of integers")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None and not all(isinstance(s, str) and s for s in self.stop):

@@ -1,0 +1,88 @@
+"""Plot a `glm5next bench` result: step time vs tokens (eager, CUDA graph, floor) and engine throughput.
+
+    python bench/plot.py bench/results/RESULT.json [-o RESULT.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
+
+
+def _series(rows: list, x: str, y: str) -> tuple[list, list]:
+    pts = [(r[x], r[y]) for r in rows if r.get(y) is not None]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def plot(result: dict, out: str) -> str:
+    """Write the figure of `result` to `out` (PNG); returns `out`."""
+    steps, e2e = result.get("steps") or [], result.get("e2e") or []
+    panels = (1 if steps else 0) + (1 if e2e else 0)
+    if not panels:
+        raise ValueError("the result holds neither step times nor end-to-end rows")
+    fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4.8), squeeze=False)
+    axes = list(axes[0])
+    title = (f"{result.get('mode', '?')} runtime, {result.get('slice', '?')} slice, {result.get('device', '?')}, "
+             f"context {result.get('context', '?')} (torch {result.get('torch', '?')}, {result.get('date', '?')[:10]})")
+    if steps:
+        ax = axes.pop(0)
+        for key, label, style in (("eager_ms", "stock eager", "o-"), ("graph_ms", "stock CUDA graph", "s-"),
+                                  ("floor_ms", "floor (bytes / read BW)", "k--")):
+            xs, ys = _series(steps, "tokens", key)
+            if xs:
+                ax.plot(xs, ys, style, label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks([r["tokens"] for r in steps], [str(r["tokens"]) for r in steps])
+        ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.set_xlabel("decode tokens per step (M sequences, one token each)")
+        ax.set_ylabel("step time (ms)")
+        bw = result.get("bandwidth", {}).get("bytes_per_s")
+        ax.set_title("decode step" + (f"; read BW {bw / 1e9:.1f} GB/s" if bw else ""))
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    if e2e:
+        ax = axes.pop(0)
+        xs, ys = _series(e2e, "concurrency", "output_tokens_per_s")
+        ax.plot(xs, ys, "o-", color="tab:green", label="output tokens/s")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel("output tokens/s", color="tab:green")
+        ax.grid(True, alpha=0.3)
+        tx, ty = _series(e2e, "concurrency", "tpot_ms")
+        if tx:
+            ax2 = ax.twinx()
+            ax2.plot(tx, ty, "s--", color="tab:red", label="time per output token")
+            ax2.set_ylabel("mean time per output token (ms)", color="tab:red")
+        graphs = any(r.get("graph_steps") for r in e2e)
+        ax.set_title(f"engine end to end (greedy, CUDA graphs {'on' if graphs else 'off'})")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("result", help="a result JSON written by `glm5next bench`")
+    ap.add_argument("-o", "--out", default=None, help="PNG path (default: the result path with .png)")
+    args = ap.parse_args(argv)
+    with open(args.result) as f:
+        result = json.load(f)
+    out = args.out or os.path.splitext(args.result)[0] + ".png"
+    print(plot(result, out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

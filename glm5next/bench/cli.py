@@ -1,0 +1,139 @@
+"""The `glm5next bench` sub-command: `glm5next bench --mode stock [options]`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import time
+
+DEFAULT_LEVELS = "1,2,4,8,16,32,64"
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: every value must be a positive integer")
+    return values
+
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `bench` on `subparsers` (from `ArgumentParser.add_subparsers`)."""
+    p = subparsers.add_parser(
+        "bench", help="decode-step benchmark on the 8-layer slice of GLM-5.3-Flash",
+        description="Times the decode step of the first layers of GLM-5.3-Flash (random weights in the "
+                    "checkpoint's dtypes, random prior context) against its memory floor, and the engine end to end.",
+    )
+    p.add_argument("--mode", choices=["stock"], default="stock", help="which runtime to time (default: stock)")
+    p.add_argument("--small", action="store_true", help="a reduced-width slice that runs on a CPU in seconds")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--layers", type=int, default=8, help="layers of the slice (default 8)")
+    p.add_argument("--tokens", type=_int_list, default=_int_list(DEFAULT_LEVELS),
+                   help=f"decode token counts M (default {DEFAULT_LEVELS}; empty: no step benchmark)")
+    p.add_argument("--concurrency", type=_int_list, default=_int_list(DEFAULT_LEVELS),
+                   help=f"end-to-end concurrencies (default {DEFAULT_LEVELS})")
+    p.add_argument("--context", type=int, default=8192, help="cached tokens before the decoded one (default 8192)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--eager-iters", type=int, default=10, help="timed eager steps per M (median)")
+    p.add_argument("--eager-warmup", type=int, default=2)
+    p.add_argument("--replays", type=int, default=50, help="timed graph replays per M (median)")
+    p.add_argument("--graph-warmup", type=int, default=5)
+    p.add_argument("--skip-eager", action="store_true", help="no eager step timing")
+    p.add_argument("--skip-graph", action="store_true", help="no CUDA-graph step timing")
+    p.add_argument("--skip-e2e", action="store_true", help="no end-to-end engine throughput")
+    p.add_argument("--prompt-len", type=int, default=64, help="end-to-end prompt tokens per request")
+    p.add_argument("--gen-len", type=int, default=64, help="end-to-end output tokens per request")
+    p.add_argument("--bw-gib", type=float, default=1.0, help="GiB of the bandwidth probe buffer (>= 1 on a GPU)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="result JSON (default bench/results/<date>-<gpu>-stock.json)")
+    p.set_defaults(func=cmd_bench)
+    return p
+
+
+def default_out_path(result: dict) -> str:
+    """`bench/results/<date>-<gpu>-stock[-small].json` for a result."""
+    name = re.sub(r"^nvidia-", "", re.sub(r"[^a-z0-9]+", "-", result["device"].lower()).strip("-")) or "device"
+    small = "-small" if result["slice"] == "small" else ""
+    return os.path.join("bench", "results", f"{time.strftime('%Y-%m-%d')}-{name}-{result['mode']}{small}.json")
+
+
+def _clean(obj):
+    """`obj` with non-finite floats as None (strict JSON)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def format_table(result: dict) -> str:
+    """A readable summary of a result."""
+    bw = result["bandwidth"]["bytes_per_s"]
+    lines = [f"{result['mode']} runtime, {result['slice']} slice on {result['device']} (torch {result['torch']}, "
+             f"triton {result['triton']}), {result['date']}",
+             f"read bandwidth {bw / 1e12:.3f} TB/s; context {result['context']} tokens"]
+
+    def cell(row, key, width, digits):
+        value = row.get(key)
+        return f"{value:>{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
+
+    if result["steps"]:
+        lines.append(f"{'M':>4} {'GB':>8} {'experts':>8} {'floor ms':>9} {'eager ms':>9} {'x floor':>8} "
+                     f"{'graph ms':>9} {'x floor':>8}")
+        for r in result["steps"]:
+            lines.append(f"{r['tokens']:>4} {r['bytes']['total'] / 1e9:>8.3f} "
+                         f"{sum(r['bytes']['distinct_experts'].values()):>8} {r['floor_ms']:>9.3f} "
+                         f"{cell(r, 'eager_ms', 9, 2)} {cell(r, 'eager_over_floor', 8, 1)} "
+                         f"{cell(r, 'graph_ms', 9, 2)} {cell(r, 'graph_over_floor', 8, 1)}")
+    if result["e2e"]:
+        lines.append(f"{'conc':>4} {'out tok':>8} {'seconds':>8} {'tok/s':>9} {'TPOT ms':>8} {'TTFT ms':>8}")
+        for r in result["e2e"]:
+            lines.append(f"{r['concurrency']:>4} {r['output_tokens']:>8} {r['seconds']:>8.2f} "
+                         f"{r['output_tokens_per_s']:>9.1f} {cell(r, 'tpot_ms', 8, 2)} {r['ttft_ms']:>8.1f}")
+    lines += [f"note: {n}" for n in result.get("notes", [])]
+    return "\n".join(lines)
+
+
+def cmd_bench(args) -> int:
+    """Run the benchmark `args` describe, write the JSON, print the table; the exit status."""
+    from .stock import StockOptions, run_stock
+
+    if args.context < 0 or args.layers < 1 or args.eager_iters < 1 or args.replays < 1:
+        print("glm5next bench: --context must be >= 0, --layers, --eager-iters and --replays >= 1", file=sys.stderr)
+        return 2
+    opts = StockOptions(
+        small=args.small, device=args.device, layers=args.layers, tokens=args.tokens,
+        concurrency=args.concurrency, context=args.context, block_size=args.block_size,
+        eager_iters=args.eager_iters, eager_warmup=args.eager_warmup, replays=args.replays,
+        graph_warmup=args.graph_warmup, skip_eager=args.skip_eager, skip_graph=args.skip_graph,
+        skip_e2e=args.skip_e2e, prompt_len=args.prompt_len, gen_len=args.gen_len, bw_gib=args.bw_gib, seed=args.seed,
+    )
+    result = _clean(run_stock(opts))
+    out = args.out or default_out_path(result)
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+        f.write("\n")
+    print(format_table(result))
+    print(f"wrote {out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m glm5next.bench.cli [bench options]`: the sub-command without the `glm5next` entry point."""
+    parser = argparse.ArgumentParser(prog="glm5next")
+    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

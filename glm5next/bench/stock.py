@@ -1,0 +1,287 @@
+"""The stock runtime on the slice: decode-step times (eager and CUDA graph) against the floor, and
+end-to-end throughput through the engine.
+
+Per token count M, M sequences decode one token each after `context` cached
+tokens of random context. The eager step is `Runner.execute` timed with CUDA
+events (the GPU idle before each, median after warm-up); the graph step is
+`graph.replay()` of the runner's captured size-M graph, timed replay by replay
+with CUDA events. The floor is the step's bytes (`floor.step_bytes`, with the
+routing of an eager step) over the read bandwidth measured in the same process.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..runtime.runner import Runner
+from .floor import floor_seconds, measure_read_bandwidth, record_routing, step_bytes
+from .slice import build_slice_model, fill_context, make_cache, slice_config
+
+
+@dataclass
+class StockOptions:
+    small: bool = False
+    device: str | None = None
+    layers: int = 8
+    tokens: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    concurrency: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    context: int = 8192
+    block_size: int = 16
+    eager_iters: int = 10
+    eager_warmup: int = 2
+    replays: int = 50
+    graph_warmup: int = 5
+    skip_eager: bool = False
+    skip_graph: bool = False
+    skip_e2e: bool = False
+    prompt_len: int = 64
+    gen_len: int = 64
+    bw_gib: float = 1.0
+    seed: int = 0
+
+
+_START = [time.perf_counter()]
+
+
+def log(msg: str) -> None:
+    """A progress line on stderr with the wall time and the seconds since the run started."""
+    print(f"[{time.strftime('%H:%M:%S')} +{time.perf_counter() - _START[0]:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _release(device: torch.device) -> None:
+    """Free what a finished part left (its cache, runner and graph pool) before the next one."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def time_eager(fn, device: torch.device, iters: int, warmup: int) -> list[float]:
+    """Milliseconds of `iters` calls of `fn` after `warmup`, each from an idle device (CUDA events on CUDA)."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(iters):
+        _sync(device)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            out.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def time_replays(graph, replays: int, warmup: int) -> list[float]:
+    """Milliseconds of each of `replays` back-to-back replays of `graph` after `warmup`, by CUDA events."""
+    for _ in range(warmup):
+        graph.replay()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
+    for start, end in events:
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) for s, e in events]
+
+
+def _items(m: int, context: int, blocks: list[list[int]], vocab: int, seed: int) -> list:
+    """M decode items: sequence i (KDA slot i) at position `context`, a random token to feed."""
+    rng = random.Random(seed + m)
+    return [([0] * context + [rng.randrange(vocab)], context, 1, i, blocks[i]) for i in range(m)]
+
+
+def _versions(device: torch.device) -> dict:
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "triton": triton_version, "cuda": torch.version.cuda,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def _config_summary(model, config) -> dict:
+    by_dtype: dict[str, int] = {}
+    for p in model.parameters():
+        key = str(p.dtype).replace("torch.", "")
+        by_dtype[key] = by_dtype.get(key, 0) + p.numel() * p.element_size()
+    return {
+        "layers": config.num_hidden_layers, "layer_kinds": list(config.layer_kinds),
+        "moe_layers": [i for i, m in enumerate(config.moe_layers) if m], "hidden": config.hidden_size,
+        "vocab": config.vocab_size, "experts": config.n_routed_experts, "top_k": config.num_experts_per_tok,
+        "moe_width": config.moe_intermediate_size, "dense_width": config.intermediate_size,
+        "kda_heads": config.linear_num_heads, "kda_head_dim": config.linear_head_dim,
+        "mla_heads": config.num_attention_heads, "index_topk": config.index_topk,
+        "weight_bytes": sum(by_dtype.values()), "weight_bytes_by_dtype": by_dtype,
+    }
+
+
+def run_stock(opts: StockOptions) -> dict:
+    """Run every enabled part; the result as a JSON-ready dict."""
+    _START[0] = time.perf_counter()
+    device = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = device.type == "cuda"
+    tokens = sorted(set(opts.tokens))
+    result: dict = {"mode": "stock", "slice": "small" if opts.small else "real", **_versions(device),
+                    "context": opts.context, "block_size": opts.block_size, "notes": []}
+    config = slice_config(opts.layers, small=opts.small)
+    log(f"building the {'small' if opts.small else 'real-width'} {opts.layers}-layer slice on {device}")
+    t = time.perf_counter()
+    model = build_slice_model(config, device, seed=opts.seed)
+    _sync(device)
+    result["build_s"] = time.perf_counter() - t
+    result["config"] = _config_summary(model, config)
+    log(f"weights: {result['config']['weight_bytes'] / 1e9:.2f} GB in {result['build_s']:.1f} s")
+
+    bw = measure_read_bandwidth(device, opts.bw_gib)
+    result["bandwidth"] = bw
+    log(f"read bandwidth: {bw['bytes_per_s'] / 1e12:.3f} TB/s ({bw['method']})")
+
+    steps = []
+    if tokens and not (opts.skip_eager and opts.skip_graph):
+        steps = _step_benchmarks(model, config, device, tokens, opts, bw["bytes_per_s"], result["notes"])
+        _release(device)
+    result["steps"] = steps
+
+    if opts.skip_e2e:
+        result["e2e"] = []
+    else:
+        result["e2e"] = run_e2e(model, device, opts, result["notes"])
+        _release(device)
+    if cuda:
+        result["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
+    result["total_s"] = time.perf_counter() - _START[0]
+    return result
+
+
+def _step_benchmarks(model, config, device, tokens, opts: StockOptions, bandwidth: float, notes: list) -> list:
+    cuda = device.type == "cuda"
+    m_max = tokens[-1]
+    cache = make_cache(config, m_max, opts.context, opts.block_size, model.embed_tokens.dtype, device)
+    blocks = fill_context(cache, m_max, opts.context, seed=opts.seed)
+    runner = Runner(model, cache, max_model_len=len(blocks[0]) * opts.block_size, capture_sizes=tokens)
+    cache_gb = sum(t.numel() * t.element_size() for t in cache.tensors()) / 1e9
+    log(f"context: {opts.context} tokens x {m_max} sequences, cache {cache_gb:.2f} GB")
+    rows = {}
+    for m in tokens:
+        items = _items(m, opts.context, blocks, config.vocab_size, opts.seed)
+        logits = []
+        routing = record_routing(model, lambda: logits.append(runner.execute(items, m)))
+        nbytes = step_bytes(model, cache, routing, m, opts.context)
+        floor_ms = floor_seconds(nbytes["total"], bandwidth) * 1e3
+        row = {"tokens": m, "bytes": nbytes, "floor_ms": floor_ms, "logits_finite": bool(logits[0].isfinite().all())}
+        if not row["logits_finite"]:
+            notes.append(f"M={m}: non-finite logits in the eager step")
+        if not opts.skip_eager:
+            times = time_eager(lambda: runner.execute(items, m), device, opts.eager_iters, opts.eager_warmup)
+            row["eager_ms"] = statistics.median(times)
+            row["eager_ms_min"] = min(times)
+            row["eager_over_floor"] = row["eager_ms"] / floor_ms
+            row["eager_bw_fraction"] = floor_ms / row["eager_ms"]
+        rows[m] = row
+        log(f"M={m}: {nbytes['total'] / 1e9:.3f} GB, floor {floor_ms:.3f} ms, "
+            f"experts {sum(nbytes['distinct_experts'].values())}"
+            + (f", eager {row['eager_ms']:.2f} ms" if "eager_ms" in row else ""))
+    if opts.skip_graph:
+        pass
+    elif not cuda:
+        notes.append("CUDA graphs skipped: no CUDA device")
+    else:
+        log(f"capturing CUDA graphs for sizes {tokens}")
+        t = time.perf_counter()
+        runner.capture()
+        log(f"captured in {time.perf_counter() - t:.1f} s")
+        for m in tokens:
+            items = _items(m, opts.context, blocks, config.vocab_size, opts.seed)
+            runner.load_decode(items, m)
+            graph, logits = runner.graphs[m]
+            times = time_replays(graph, opts.replays, opts.graph_warmup)
+            row = rows[m]
+            row["graph_ms"] = statistics.median(times)
+            row["graph_ms_min"] = min(times)
+            row["graph_over_floor"] = row["graph_ms"] / row["floor_ms"]
+            row["graph_bw_fraction"] = row["floor_ms"] / row["graph_ms"]
+            row["graph_logits_finite"] = bool(logits[:m].isfinite().all())
+            log(f"M={m}: graph {row['graph_ms']:.2f} ms ({row['graph_over_floor']:.1f}x the floor)")
+    return [rows[m] for m in tokens]  # the runner, its graphs and the cache go with this frame
+
+
+def run_e2e(model, device: torch.device, opts: StockOptions, notes: list) -> list:
+    """Output tokens/s and time per output token through `LLMEngine` at each concurrency: that many
+    requests of `prompt_len` random tokens, `gen_len` greedy tokens each (EOS ignored), CUDA graphs on."""
+    try:
+        from ..runtime.engine_core import LLMEngine
+        from ..runtime.sampler import SamplingParams
+    except ImportError as e:
+        notes.append(f"end-to-end skipped: the engine is unavailable ({e})")
+        return []
+    levels = sorted(set(opts.concurrency))
+    if not levels:
+        return []
+    cuda = device.type == "cuda"
+    max_len = opts.prompt_len + opts.gen_len + opts.block_size
+    per_seq = -(-max_len // opts.block_size)
+    log(f"end to end: building the engine (concurrency {levels}, graphs {'on' if cuda else 'off: no CUDA'})")
+    t = time.perf_counter()
+    engine = LLMEngine.from_model(
+        model, max_model_len=max_len, max_num_seqs=levels[-1], num_blocks=levels[-1] * per_seq + 4,
+        block_size=opts.block_size, enforce_eager=not cuda, capture_sizes=levels,
+    )
+    log(f"engine ready in {time.perf_counter() - t:.1f} s")
+    if not cuda:
+        notes.append("end-to-end ran eagerly: no CUDA device")
+    rng = random.Random(opts.seed)
+    vocab = model.config.vocab_size
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=opts.gen_len)
+
+    def run(tag: str, n: int, p: SamplingParams) -> dict:
+        for i in range(n):
+            engine.add_request(f"{tag}-{i}", [rng.randrange(vocab) for _ in range(opts.prompt_len)], p)
+        steps0, graph0 = engine.stats["steps"], engine.stats["graph_steps"]
+        first, done = {}, {}
+        t0 = now = time.perf_counter()
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+            now = time.perf_counter()  # step() ends in a host sync on the sampled tokens
+            for o in outs:
+                if o.outputs[0].token_ids and o.request_id not in first:
+                    first[o.request_id] = now
+                if o.finished:
+                    done[o.request_id] = (now, len(o.outputs[0].token_ids))
+        total = sum(k for _, k in done.values())
+        tpot = [(end - first[r]) / (k - 1) for r, (end, k) in done.items() if k > 1]
+        return {"concurrency": n, "prompt_tokens": n * opts.prompt_len, "output_tokens": total,
+                "seconds": now - t0, "output_tokens_per_s": total / max(now - t0, 1e-9),
+                "tpot_ms": 1e3 * statistics.mean(tpot) if tpot else float("nan"),
+                "ttft_ms": 1e3 * statistics.mean(f - t0 for f in first.values()),
+                "steps": engine.stats["steps"] - steps0, "graph_steps": engine.stats["graph_steps"] - graph0}
+
+    run("warmup", 1, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=4))
+    rows = []
+    for n in levels:
+        row = run(f"c{n}", n, params)
+        rows.append(row)
+        log(f"concurrency {n}: {row['output_tokens_per_s']:.1f} output tokens/s, TPOT {row['tpot_ms']:.2f} ms, "
+            f"{row['graph_steps']}/{row['steps']} steps from graphs")
+    return rows

@@ -1,0 +1,264 @@
+"""The engine: requests in, one model step at a time, incremental outputs out.
+
+`LLMEngine` owns the scheduler (what runs), the runner (how it runs: CUDA
+graphs for pure-decode steps), the cache it sized from a memory budget, the
+device-side sampler, and per-request detokenization and stop checks. Both
+`LLM.generate` and the asynchronous engine behind the server drive it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from ..model.backbone import Glm5NextModel
+from ..tokenizer import Tokenizer
+from .batch_sampler import BatchSampler
+from .cache import ModelCache
+from .cache_plan import plan_cache
+from .detokenizer import IncrementalDetokenizer
+from .runner import DEFAULT_CAPTURE_SIZES, Runner, check_capture_sizes
+from .sampler import SamplingParams
+from .scheduler import BlockManager, Request, Scheduler
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+
+
+@dataclass
+class CompletionOutput:
+    """One generated continuation, cumulative."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    """'stop' (EOS, stop token or stop string), 'length' (max_tokens or context), 'abort', or None."""
+    logprobs: list[float] | None = None
+    """The raw (pre-temperature) log-probability of each chosen token, when asked for."""
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    """The `logprobs` most likely (token id, log-probability) pairs at each position, when asked for."""
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request after a step."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+
+
+@dataclass
+class _Live:
+    """What the engine keeps per request beside the scheduler's `Request`."""
+
+    request: Request
+    prompt: str | None
+    params: SamplingParams
+    """The request's parameters with its seed fixed."""
+    detok: IncrementalDetokenizer | None
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+
+
+class LLMEngine:
+    """GLM-5.3-Flash on one device, stepping many requests together."""
+
+    def __init__(
+        self,
+        model: str | Glm5NextModel,
+        tokenizer: Tokenizer | None = None,
+        dtype: str = "bfloat16",
+        device: str | None = None,
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        num_blocks: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        enforce_eager: bool = False,
+        capture_sizes=DEFAULT_CAPTURE_SIZES,
+        seed: int = 0,
+        progress: bool = True,
+    ) -> None:
+        if isinstance(model, Glm5NextModel):
+            self.model = model
+            self.dtype = model.embed_tokens.dtype
+        else:
+            if dtype not in DTYPES:
+                raise ValueError(f"dtype={dtype!r}: choose one of {sorted(DTYPES)}")
+            device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+            if device.startswith("cuda") and not torch.cuda.is_available():
+                raise ValueError(f"device={device!r} but CUDA is not available")
+            self.dtype = DTYPES[dtype]
+            self.model = Glm5NextModel.from_pretrained(model, self.dtype, device, progress=progress)
+            tokenizer = tokenizer or Tokenizer.from_dir(model)
+        self.device = self.model.embed_tokens.device
+        self.config = self.model.config
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len or self.config.max_position_embeddings
+        if not 1 < self.max_model_len <= self.config.max_position_embeddings:
+            raise ValueError(f"max_model_len={self.max_model_len} must be in [2, max_position_embeddings="
+                             f"{self.config.max_position_embeddings}]")
+        self.capture_sizes = check_capture_sizes(capture_sizes)
+        self.plan = plan_cache(
+            self.model, self.max_model_len, block_size, max_num_seqs, max_num_batched_tokens, num_blocks,
+            gpu_memory_utilization, self.capture_sizes[-1] if not enforce_eager else 0,
+        )
+        self.cache = ModelCache(self.config, self.plan.num_blocks, block_size, max_num_seqs, self.dtype, self.device,
+                                include_mtp=False)
+        self.runner = Runner(self.model, self.cache, self.max_model_len, self.capture_sizes)
+        if self.device.type == "cuda" and not enforce_eager:
+            self.runner.capture()
+        self.scheduler = Scheduler(BlockManager(self.plan.num_blocks, max_num_seqs, block_size), max_num_seqs,
+                                   max_num_batched_tokens)
+        self.sampler = BatchSampler(self.config.vocab_size)
+        self.eos_token_ids = frozenset(
+            (tokenizer.eos_token_ids if tokenizer is not None else ()) or self.config.eos_token_ids)
+        self._seeds = torch.Generator().manual_seed(seed)
+        self._live: dict[str, _Live] = {}
+        self.stats = {"steps": 0, "graph_steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "preemptions": 0}
+
+    @classmethod
+    def from_model(cls, model: Glm5NextModel, tokenizer: Tokenizer | None = None, **kwargs) -> "LLMEngine":
+        """An engine over an already built backbone (its dtype and device)."""
+        return cls(model, tokenizer=tokenizer, **kwargs)
+
+    # ------------------------------------------------------------------ inputs
+    def validate(self, prompt, params: SamplingParams | None = None) -> list[int]:
+        """The prompt's token ids, or a ValueError naming what is wrong with the prompt."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: give prompts as token ids")
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+        elif isinstance(prompt, (list, tuple)):
+            ids = prompt
+        else:
+            raise ValueError("a prompt is a string, a list of token ids, or a dict with 'prompt_token_ids'")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("prompt token ids must be integers")
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.config.vocab_size})")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; the context holds {self.max_model_len} "
+                             f"(max_model_len), leaving no room to generate")
+        return list(ids)
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
+        """Queue a request; raises ValueError (nothing queued) when the prompt or id is unusable."""
+        params = params or SamplingParams()
+        if request_id in self._live:
+            raise ValueError(f"request id {request_id!r} is already live")
+        ids = self.validate(prompt, params)
+        if params.seed is None:
+            params = dataclasses.replace(params, seed=int(torch.randint(0, 2**62, (), generator=self._seeds)))
+        budget = min(params.max_tokens, self.max_model_len - len(ids))
+        req = Request(request_id, ids, budget)
+        self.scheduler.add_request(req)
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
+        text = prompt if isinstance(prompt, str) else (prompt.get("prompt") if isinstance(prompt, dict) else None)
+        self._live[request_id] = _Live(req, text, params, detok)
+        self.stats["prompt_tokens"] += len(ids)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """End a live request, free its cache and return its final output (finish reason
+        'abort'); None when it is not live."""
+        live = self._live.pop(request_id, None)
+        if live is None:
+            return None
+        self.scheduler.abort(request_id)
+        return self._output(live, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._live)
+
+    def num_unfinished(self) -> int:
+        return len(self._live)
+
+    # -------------------------------------------------------------------- step
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Run one model step; the outputs of the requests that gained a token (finished ones included)."""
+        if not self._live:
+            return []
+        out = self.scheduler.schedule()
+        self.stats["preemptions"] += len(out.preempted)
+        if not out.scheduled:
+            raise RuntimeError("the scheduler could not place any request in the cache")
+        items = [(r.token_ids, r.num_computed, n, r.slot, r.block_ids) for r, n in out.scheduled]
+        if self.runner.graph_size(len(items), len(out.decodes)) is not None and self.runner.graphs:
+            self.stats["graph_steps"] += 1
+        logits = self.runner.execute(items, len(out.decodes))
+        self.stats["steps"] += 1
+        rows = [i for i, (r, n) in enumerate(out.scheduled) if r.num_computed + n == len(r.token_ids)]
+        reqs = [out.scheduled[i][0] for i in rows]
+        tokens, logprobs, tops = self._sample(logits, rows, reqs)
+        ended = {r.request_id for r in self.scheduler.update(out, dict(zip((r.request_id for r in reqs), tokens)))}
+        results = []
+        for k, req in enumerate(reqs):
+            live = self._live[req.request_id]
+            if logprobs is not None and live.params.logprobs is not None:
+                live.logprobs.append(logprobs[k])
+                live.top_logprobs.append(tops[k][: live.params.logprobs])
+            reason = "length" if req.request_id in ended else None
+            if self._stops(live, tokens[k]):
+                reason = "stop"
+            if reason is not None and live.detok is not None and live.detok.flush():
+                reason = "stop"
+            if reason is not None:
+                if req.request_id not in ended:
+                    self.scheduler.finish(req.request_id, reason)
+                del self._live[req.request_id]
+            results.append(self._output(live, reason))
+        self.stats["generated_tokens"] += len(reqs)
+        return results
+
+    def _stops(self, live: _Live, token: int) -> bool:
+        p = live.params
+        hit = (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
+        if live.detok is not None and live.detok.add(token):
+            hit = True
+        return hit
+
+    def _sample(self, logits: torch.Tensor, rows: list[int], reqs: list[Request]):
+        """Next tokens (and raw logprobs when any row asks) for `rows` of `logits`; one host sync."""
+        if not rows:
+            return [], None, None
+        lg = logits[torch.tensor(rows, device=logits.device)] if len(rows) != logits.shape[0] else logits
+        params = [self._live[r.request_id].params for r in reqs]
+        if all(p.greedy for p in params):
+            tok = lg.argmax(dim=-1)
+        else:
+            steps = torch.tensor([len(r.output_token_ids) for r in reqs], dtype=torch.int64, device=lg.device)
+            tok, _ = self.sampler.sample(lg, self.sampler.plan(params, lg.device), steps)
+        want = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+        if want is None:
+            return tok.tolist(), None, None
+        lp = torch.log_softmax(lg, dim=-1)
+        chosen = lp.gather(1, tok[:, None]).squeeze(1)
+        top_v, top_i = lp.topk(max(want, 1), dim=-1)
+        tops = [list(zip(i, v)) for i, v in zip(top_i.tolist(), top_v.tolist())]
+        return tok.tolist(), chosen.tolist(), tops
+
+    def _output(self, live: _Live, reason: str | None) -> RequestOutput:
+        req = live.request
+        finished = reason is not None
+        text = live.detok.visible(finished) if live.detok is not None else ""
+        want = live.params.logprobs is not None
+        comp = CompletionOutput(0, text, list(req.output_token_ids), reason,
+                                list(live.logprobs) if want else None, list(live.top_logprobs) if want else None)
+        return RequestOutput(req.request_id, live.prompt, req.prompt_token_ids, [comp], finished)

@@ -1,0 +1,207 @@
+"""The slice benchmark on the CPU: slice config, random weights in the checkpoint's dtypes, byte
+accounting against a hand count, and `glm5next bench --mode stock --small` end to end."""
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from glm5next.bench.cli import add_bench_parser
+from glm5next.bench.floor import record_routing, step_bytes
+from glm5next.bench.slice import build_slice_model, fill_context, make_cache, slice_config
+from glm5next.checkpoint.inventory import BF16, FP8, FP32, expected_tensors
+from glm5next.config import DSA, KDA
+from glm5next.model.backbone import Glm5NextModel
+from glm5next.model.params import FP8_DTYPE, scale_shape
+from glm5next.runtime.runner import Runner
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def small():
+    return slice_config(small=True)
+
+
+@pytest.fixture(scope="module")
+def installed(small):
+    """The small slice model and, per checkpoint name, the (dtype, scale shape or None) it was installed with."""
+    seen = {}
+    original = Glm5NextModel.tensor_specs
+
+    def recording(self):
+        specs = original(self)
+        for name, spec in specs.items():
+            def install(t, s, name=name, inner=spec.install):
+                seen[name] = (t.dtype, tuple(t.shape), None if s is None else (s.dtype, tuple(s.shape)))
+                inner(t, s)
+            specs[name] = type(spec)(spec.shape, install, spec.fp8_ok, spec.keep_fp32)
+        return specs
+
+    Glm5NextModel.tensor_specs = recording
+    try:
+        model = build_slice_model(small, "cpu", seed=0)
+    finally:
+        Glm5NextModel.tensor_specs = original
+    return model, seen
+
+
+def test_slice_configs(small):
+    real = slice_config()
+    for c in (real, small):
+        assert c.num_hidden_layers == 8
+        assert c.layer_kinds == (KDA, KDA, KDA, DSA, KDA, KDA, KDA, DSA)
+        assert c.moe_layers == (False,) * 3 + (True,) * 5
+        assert c.num_nextn_predict_layers == 0
+    assert (real.hidden_size, real.vocab_size, real.intermediate_size) == (4096, 154880, 12288)
+    assert (real.n_routed_experts, real.num_experts_per_tok, real.n_shared_experts) == (288, 8, 1)
+    assert (real.moe_intermediate_size, real.linear_num_heads, real.linear_head_dim) == (2048, 64, 128)
+    assert (real.q_lora_rank, real.kv_lora_rank, real.index_topk, real.index_kpool) == (1536, 512, 2048, 4)
+    assert small.hidden_size < 1024 and small.vocab_size < 4096
+    assert slice_config(num_layers=4).layer_kinds == (KDA, KDA, KDA, DSA)
+
+
+def test_weights_in_checkpoint_dtypes(small, installed):
+    model, seen = installed
+    expected = expected_tensors(small, include_mtp=False)
+    assert set(seen) == set(expected)
+    specs = model.tensor_specs()
+    for name, exp in expected.items():
+        dtype, shape, scale = seen[name]
+        assert shape == exp.shape, name
+        if exp.official_dtype == FP8:
+            assert dtype == FP8_DTYPE and scale == (torch.float32, scale_shape(exp.shape)), name
+        elif exp.official_dtype == FP32 or specs[name].keep_fp32:
+            assert dtype == torch.float32 and scale is None, name
+        else:
+            assert exp.official_dtype == BF16 and dtype == torch.bfloat16 and scale is None, name
+    assert seen["layers.3.mlp.experts.0.gate_proj.weight"][0] == FP8_DTYPE
+    assert seen["layers.0.self_attn.q_proj.weight"][0] == torch.bfloat16
+    assert seen["layers.3.mlp.gate.weight"][0] == torch.float32
+    assert seen["lm_head.weight"][0] == torch.bfloat16
+    for name, p in model.named_parameters():
+        assert not p.is_meta, name
+        assert torch.isfinite(p.float()).all(), name
+        assert p.float().abs().max() > 0, name
+    experts = model.layers[3].mlp.experts
+    assert experts.gate_proj.dtype == FP8_DTYPE and experts.gate_proj_scale_inv.shape[0] == small.n_routed_experts
+
+
+def _step(model, config, num_seqs, context, block_size=16):
+    cache = make_cache(config, num_seqs, context, block_size, torch.bfloat16, "cpu")
+    blocks = fill_context(cache, num_seqs, context, seed=1)
+    runner = Runner(model, cache, max_model_len=len(blocks[0]) * block_size, capture_sizes=(num_seqs,))
+    items = [([5] * context + [11 + i], context, 1, i, blocks[i]) for i in range(num_seqs)]
+    return cache, blocks, runner, items
+
+
+def test_context_and_eager_step_are_finite(small, installed):
+    model, _ = installed
+    cache, blocks, runner, items = _step(model, small, 3, 64)
+    assert [len(b) for b in blocks] == [5, 5, 5] and blocks[1][0] == 5
+    for c in cache.dsa.values():
+        used = c.latent[:15]
+        assert torch.isfinite(used.float()).all() and used.float().std() > 0.5
+    for s in cache.kda.values():
+        assert s.recurrent[:3].abs().sum() > 0
+    logits = []
+    routing = record_routing(model, lambda: logits.append(runner.execute(items, 3)))
+    assert logits[0].shape == (3, small.vocab_size) and torch.isfinite(logits[0]).all()
+    assert logits[0].std() > 0.1
+    assert sorted(routing) == [3, 4, 5, 6, 7]
+    for ids in routing.values():
+        assert ids.shape == (3, small.num_experts_per_tok)
+    nbytes = step_bytes(model, cache, routing, 3, 64)
+    assert nbytes["distinct_experts"] == {i: int(torch.unique(r).numel()) for i, r in routing.items()}
+    # Random routing of 3 tokens over 16 experts spreads: more than one token's worth of experts.
+    assert sum(nbytes["distinct_experts"].values()) > 5 * small.num_experts_per_tok
+
+
+def _hand_weight_bytes(config, num_tokens):
+    """Non-expert weight bytes from the inventory: FP8 = 1 B + fp32 128x128 scales, fp32 tensors 4 B,
+    the rest bf16; the indexer's pooling gate is bf16 in the checkpoint but held in fp32 by the model;
+    the embedding counts only the rows the step looks up."""
+    total = 0
+    for name, e in expected_tensors(config, include_mtp=False).items():
+        n = math.prod(e.shape)
+        if ".experts." in name:
+            continue
+        if name == "embed_tokens.weight":
+            total += num_tokens * config.hidden_size * 2
+        elif e.official_dtype == FP8:
+            total += n + 4 * math.prod(scale_shape(e.shape))
+        elif e.official_dtype == FP32 or name.endswith("index_kpool_compress_gate"):
+            total += 4 * n
+        else:
+            total += 2 * n
+    return total
+
+
+@pytest.mark.parametrize("context", [64, 63])
+def test_step_bytes_hand_count(small, installed, context):
+    model, _ = installed
+    cache = make_cache(small, 2, context, 16, torch.bfloat16, "cpu")
+    routing = {3: [[0, 1, 2, 3], [0, 1, 4, 5]], 4: [[0, 1, 2, 3], [3, 2, 1, 0]], 5: [[7, 8, 9, 10], [11, 12, 13, 14]],
+               6: [[15, 0, 1, 2], [15, 0, 1, 3]], 7: [[5, 6, 7, 8], [5, 6, 7, 8]]}
+    routing = {k: torch.tensor(v) for k, v in routing.items()}
+    got = step_bytes(model, cache, routing, 2, context)
+    assert got["distinct_experts"] == {3: 6, 4: 4, 5: 8, 6: 5, 7: 4}
+    d, i = small.hidden_size, small.moe_intermediate_size  # 256, 128
+    per_expert = 3 * d * i + 3 * 2 * 1 * 4  # FP8 gate/up/down + three 2x1 (or 1x2) fp32 scale grids
+    assert got["experts"] == 27 * per_expert
+    h, k = small.linear_num_heads, small.linear_head_dim  # 4 x 32
+    per_seq_layer = h * k * k * 4 + 3 * h * k * 3 * 2  # recurrent fp32 + conv window (3 rows of q|k|v) bf16
+    assert got["kda_state"] == 6 * 2 * 2 * per_seq_layer  # KDA layers x sequences x (read + write)
+    pos = context  # the decoded token's position
+    visible = (pos + 1) // 4  # complete pools
+    latents = min(32 // 4, visible) * 4 + (pos + 1) % 4  # top-8 pools of 4 tokens + the incomplete tail
+    per_token = visible * 32 * 2 + latents * 64 * 2 + (64 + 32 + 32) * 2
+    if pos % 4 == 3:
+        per_token += 4 * (32 + 32) * 2 + 32 * 2  # the pool this token completes
+    assert got["dsa_cache"] == 2 * 2 * per_token  # DSA layers x tokens
+    assert got["weights"] + got["embedding"] == _hand_weight_bytes(small, 2)
+    assert got["lm_head"] == small.vocab_size * d * 2
+    assert got["total"] == got["weights"] + got["embedding"] + got["experts"] + got["kda_state"] + got["dsa_cache"]
+
+
+def test_cli_small_end_to_end(tmp_path):
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers(dest="command"))
+    out = tmp_path / "result.json"
+    args = parser.parse_args([
+        "bench", "--mode", "stock", "--small", "--device", "cpu", "--tokens", "1,2", "--context", "40",
+        "--eager-iters", "2", "--eager-warmup", "1", "--replays", "2", "--concurrency", "1,2",
+        "--prompt-len", "8", "--gen-len", "3", "--bw-gib", "0.01", "--out", str(out),
+    ])
+    assert args.func(args) == 0
+    result = json.loads(out.read_text())
+    for key in ("mode", "slice", "device", "torch", "triton", "date", "context", "config", "bandwidth", "steps",
+                "e2e", "notes", "build_s", "total_s"):
+        assert key in result, key
+    assert result["mode"] == "stock" and result["slice"] == "small" and result["device"] == "cpu"
+    assert result["bandwidth"]["bytes_per_s"] > 0
+    assert [r["tokens"] for r in result["steps"]] == [1, 2]
+    for r in result["steps"]:
+        assert r["floor_ms"] > 0 and r["eager_ms"] > 0 and r["logits_finite"]
+        assert r["eager_over_floor"] == pytest.approx(r["eager_ms"] / r["floor_ms"])
+        assert "graph_ms" not in r  # no CUDA here
+        assert r["bytes"]["total"] > r["bytes"]["lm_head"] > 0
+    assert any("CUDA graphs skipped" in n for n in result["notes"])
+    if result["e2e"]:
+        assert [r["concurrency"] for r in result["e2e"]] == [1, 2]
+        for r in result["e2e"]:
+            assert r["output_tokens"] == 3 * r["concurrency"] and r["output_tokens_per_s"] > 0
+    else:
+        assert any("end-to-end skipped" in n for n in result["notes"])
+
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "result.png"
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "plot.py"), str(out), "-o", str(png)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,189 @@
+"""The engine over the small model: continuous batching gives every request exactly the tokens it
+gets alone, whatever runs beside it, whether it is preempted, and whoever is aborted; nothing leaks."""
+
+import random
+
+import pytest
+import torch
+
+from glm5next.runtime.engine_core import LLMEngine
+from glm5next.runtime.sampler import SamplingParams
+from glm5next.tokenizer import Tokenizer
+
+
+def make_engine(model, tiny_dir, **kw):
+    kw.setdefault("max_model_len", 256)
+    kw.setdefault("max_num_seqs", 16)
+    return LLMEngine.from_model(model, Tokenizer.from_dir(tiny_dir), **kw)
+
+
+def run(engine, requests):
+    """Add (id, prompt, params) requests, step until done; final outputs by id, and every output seen."""
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params)
+    final, seen = {}, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen.setdefault(out.request_id, []).append(out)
+            if out.finished:
+                final[out.request_id] = out
+    return final, seen
+
+
+def assert_all_free(engine):
+    bm = engine.scheduler.block_manager
+    assert bm.free_blocks == bm.num_blocks and bm.free_slots == bm.num_slots
+    assert not engine.scheduler.requests and not engine.has_unfinished_requests()
+
+
+def workload(n, seed=0):
+    """Requests with different prompt lengths and sampling settings (greedy and seeded)."""
+    rng = random.Random(seed)
+    settings = [
+        dict(temperature=0.0),
+        dict(temperature=1.0, seed=7),
+        dict(temperature=0.8, top_k=20, seed=11),
+        dict(temperature=1.2, top_p=0.8, seed=3),
+        dict(temperature=1.0, min_p=0.1, seed=5),
+    ]
+    reqs = []
+    for i in range(n):
+        prompt = [rng.randrange(0, 256) for _ in range(rng.choice([1, 3, 9, 17, 40, 75]))]
+        params = SamplingParams(max_tokens=rng.randint(3, 9), ignore_eos=True, **settings[i % len(settings)])
+        reqs.append((f"r{i}", prompt, params))
+    return reqs
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_fp32, tiny_dir):
+    """Each request of the workload run by itself in a fresh engine."""
+    out = {}
+    for rid, prompt, params in workload(12):
+        final, _ = run(make_engine(tiny_fp32, tiny_dir), [(rid, prompt, params)])
+        out[rid] = final[rid].outputs[0].token_ids
+    return out
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(), dict(max_num_batched_tokens=16), dict(max_num_seqs=3), dict(block_size=4, num_blocks=34, max_model_len=128)],
+    ids=["roomy", "chunked-prefill-budget-16", "max-3-seqs", "tight-cache-preempts"],
+)
+def test_concurrent_requests_equal_alone(tiny_fp32, tiny_dir, alone, kw):
+    engine = make_engine(tiny_fp32, tiny_dir, **kw)
+    final, _ = run(engine, workload(12))
+    for rid, tokens in alone.items():
+        assert final[rid].outputs[0].token_ids == tokens, rid
+        assert final[rid].outputs[0].finish_reason == "length"
+    if "num_blocks" in kw:
+        assert engine.stats["preemptions"] > 0, "the tight cache should have preempted"
+    assert_all_free(engine)
+
+
+def test_abort_leaves_the_rest_intact(tiny_fp32, tiny_dir, alone):
+    engine = make_engine(tiny_fp32, tiny_dir, max_num_batched_tokens=16)
+    reqs = workload(12)
+    for rid, prompt, params in reqs:
+        engine.add_request(rid, prompt, params)
+    final, steps = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+        steps += 1
+        if steps == 3:  # one waiting or prefilling, one decoding
+            for rid in ("r1", "r6"):
+                out = engine.abort_request(rid)
+                assert out is not None and out.finished and out.outputs[0].finish_reason == "abort"
+            assert engine.abort_request("r1") is None
+    for rid, tokens in alone.items():
+        if rid not in ("r1", "r6"):
+            assert final[rid].outputs[0].token_ids == tokens, rid
+    assert "r1" not in final and "r6" not in final
+    assert_all_free(engine)
+
+
+def test_streamed_text_grows_and_equals_the_full_decode(tiny_fp32, tiny_dir):
+    engine = make_engine(tiny_fp32, tiny_dir)
+    tok = engine.tokenizer
+    final, seen = run(engine, [("a", "héllo wörld ✓ ", SamplingParams(temperature=1.0, seed=1, max_tokens=24,
+                                                                          ignore_eos=True))])
+    texts = [o.outputs[0].text for o in seen["a"]]
+    for before, after in zip(texts, texts[1:]):
+        assert after.startswith(before)
+    out = final["a"].outputs[0]
+    assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)
+
+
+def test_stop_strings_and_stop_tokens(tiny_fp32, tiny_dir):
+    engine = make_engine(tiny_fp32, tiny_dir)
+    base, _ = run(engine, [("b", "stop here", SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))])
+    out = base["b"].outputs[0]
+    text = out.text
+    stop = next((text[i : i + 2] for i in range(1, len(text) - 1) if text[i : i + 2].strip()), None)
+    if stop is None:
+        pytest.skip("the small model produced too little text for this prompt")
+    cut, seen = run(engine, [("c", "stop here", SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                                               stop=[stop, "never-there"]))])
+    got = cut["c"].outputs[0]
+    assert got.finish_reason == "stop" and got.text == text[: text.index(stop)]
+    for o in seen["c"][:-1]:
+        assert stop[:1] not in o.outputs[0].text[len(got.text):]  # a partial stop string is held back
+    tok_stop, _ = run(engine, [("d", "stop here", SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                                                 stop_token_ids=[out.token_ids[3]]))])
+    first = out.token_ids.index(out.token_ids[3])
+    assert tok_stop["d"].outputs[0].token_ids == out.token_ids[: first + 1]
+    assert tok_stop["d"].outputs[0].finish_reason == "stop"
+    assert_all_free(engine)
+
+
+def test_logprobs_are_the_models(tiny_fp32, tiny_dir):
+    engine = make_engine(tiny_fp32, tiny_dir)
+    prompt = [5, 77, 130, 9]
+    final, _ = run(engine, [("l", prompt, SamplingParams(temperature=0.7, seed=2, max_tokens=4, logprobs=3,
+                                                         ignore_eos=True))])
+    out = final["l"].outputs[0]
+    assert len(out.logprobs) == len(out.top_logprobs) == 4
+    from glm5next.runtime.runner import Runner, Sequence
+    from glm5next.runtime.cache import ModelCache
+
+    cache = ModelCache(tiny_fp32.config, 8, 16, 1, torch.float32, "cpu")
+    seq = Sequence(list(prompt), 0, list(range(8)))
+    runner = Runner(tiny_fp32, cache)
+    for k, token in enumerate(out.token_ids):
+        want = torch.log_softmax(runner.step([seq])[0], -1)
+        assert abs(out.logprobs[k] - float(want[token])) < 1e-4
+        top = torch.topk(want, 3)
+        assert [t for t, _ in out.top_logprobs[k]] == top.indices.tolist()
+        seq.token_ids.append(token)
+
+
+def test_engine_refuses_bad_input_and_keeps_what_it_accepted(tiny_fp32, tiny_dir):
+    engine = make_engine(tiny_fp32, tiny_dir, max_model_len=32)
+    engine.add_request("ok", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    for prompt, match in (([], "empty"), ([1] * 40, "max_model_len"), ([10**6], "vocabulary"), (3.5, "prompt")):
+        with pytest.raises(ValueError, match=match):
+            engine.add_request("bad", prompt, SamplingParams())
+    with pytest.raises(ValueError, match="already live"):
+        engine.add_request("ok", [1], SamplingParams())
+    final, _ = run(engine, [])
+    assert len(final["ok"].outputs[0].token_ids) == 4
+    assert_all_free(engine)
+
+
+def test_cache_sizing(tiny_fp32, tiny_dir):
+    from glm5next.runtime.cache import ModelCache, blocks_for_budget
+
+    engine = make_engine(tiny_fp32, tiny_dir, num_blocks=40)
+    assert engine.cache.num_blocks == 40 and engine.scheduler.block_manager.num_blocks == 40
+    with pytest.raises(ValueError, match="max_model_len=256"):
+        make_engine(tiny_fp32, tiny_dir, num_blocks=8)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        make_engine(tiny_fp32, tiny_dir, gpu_memory_utilization=1.5)
+    cfg = tiny_fp32.config
+    per_block = ModelCache.bytes_per_block(cfg, 16, torch.float32, include_mtp=False)
+    per_slot = ModelCache.bytes_per_slot(cfg, torch.float32)
+    n = blocks_for_budget(cfg, 100 * per_block + 5 * per_slot, 16, 4, torch.float32, include_mtp=False)
+    assert n == 99  # 4 slots + the scratch slot, then the scratch block
+    cache = ModelCache(cfg, n, 16, 4, torch.float32, "cpu", include_mtp=False)
+    assert sum(t.numel() * t.element_size() for t in cache.tensors()) <= 100 * per_block + 5 * per_slot
