@@ -69,6 +69,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory to use")
     p.add_argument("--enforce-eager", action="store_true", help="never replay CUDA graphs")
     p.add_argument("--cuda-graph-sizes", default=None, help="decode sizes to capture, e.g. 1,2,4,8 (default: 1..64)")
+    p.add_argument("--decode-backend", default="stock", choices=["auto", "specialized", "stock"],
+                   help="captured decode steps: the stock forward (default), the specialized executor, or auto "
+                        "(specialized on a GPU for which a measured policy ships)")
+    p.add_argument("--policy", default=None, help="a policy JSON written by `glm5next tune-policy`")
 
 
 def engine_kwargs(args) -> dict:
@@ -76,7 +80,7 @@ def engine_kwargs(args) -> dict:
     kw = dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
               num_blocks=args.num_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
-              enforce_eager=args.enforce_eager)
+              enforce_eager=args.enforce_eager, decode_backend=args.decode_backend, policy=args.policy)
     if args.cuda_graph_sizes:
         try:
             kw["capture_sizes"] = [int(x) for x in args.cuda_graph_sizes.split(",") if x.strip()]
@@ -115,11 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-mtp", action="store_true")
     p.set_defaults(func=cmd_make_tiny)
-    from .bench.cli import add_bench_parser
+    from .bench.cli import add_bench_parser, add_tune_parser
     from .server.cli import add_serve_parser
 
     add_serve_parser(sub)
     add_bench_parser(sub)
+    add_tune_parser(sub)
     return parser
 
 

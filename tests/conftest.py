@@ -3,8 +3,12 @@ import sys
 
 import pytest
 
-# The Triton interpreter must be chosen before any kernel module imports triton.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# Without a GPU, Triton kernels run in its interpreter; that must be chosen before any kernel
+# module imports triton. (torch itself does not import triton.)
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

@@ -30,7 +30,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
         description="Times the decode step of the first layers of GLM-5.3-Flash (random weights in the "
                     "checkpoint's dtypes, random prior context) against its memory floor, and the engine end to end.",
     )
-    p.add_argument("--mode", choices=["stock"], default="stock", help="which runtime to time (default: stock)")
+    p.add_argument("--mode", choices=["stock", "specialized"], default="stock",
+                   help="stock: the stock runtime (eager, CUDA graph, end to end); specialized: stock vs the "
+                        "specialized executor, per-stage table, full-model estimate (needs a GPU)")
+    p.add_argument("--policy", default=None, help="specialized mode: a policy JSON (default: the shipped one)")
     p.add_argument("--small", action="store_true", help="a reduced-width slice that runs on a CPU in seconds")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--layers", type=int, default=8, help="layers of the slice (default 8)")
@@ -86,14 +89,24 @@ def format_table(result: dict) -> str:
         return f"{value:>{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
 
     if result["steps"]:
+        spec = any("specialized_ms" in r for r in result["steps"])
         lines.append(f"{'M':>4} {'GB':>8} {'experts':>8} {'floor ms':>9} {'eager ms':>9} {'x floor':>8} "
-                     f"{'graph ms':>9} {'x floor':>8}")
+                     f"{'graph ms':>9} {'x floor':>8}"
+                     + (f" {'spec ms':>9} {'x floor':>8} {'45L spec':>9} {'45L stock':>9}" if spec else ""))
         for r in result["steps"]:
             lines.append(f"{r['tokens']:>4} {r['bytes']['total'] / 1e9:>8.3f} "
                          f"{sum(r['bytes']['distinct_experts'].values()):>8} {r['floor_ms']:>9.3f} "
                          f"{cell(r, 'eager_ms', 9, 2)} {cell(r, 'eager_over_floor', 8, 1)} "
-                         f"{cell(r, 'graph_ms', 9, 2)} {cell(r, 'graph_over_floor', 8, 1)}")
-    if result["e2e"]:
+                         f"{cell(r, 'graph_ms', 9, 2)} {cell(r, 'graph_over_floor', 8, 1)}"
+                         + (f" {cell(r, 'specialized_ms', 9, 2)} {cell(r, 'specialized_over_floor', 8, 1)}"
+                            f" {cell(r, 'full_model_specialized_ms', 9, 1)} {cell(r, 'full_model_stock_ms', 9, 1)}"
+                            if "specialized_ms" in r else ""))
+    for r in result["steps"]:
+        for st in r.get("stages", []):
+            lines.append(f"  M={r['tokens']:<3} {st['stage']:14s} {st['choice']:8s} "
+                         + (f"{st['us']:9.1f} us {100 * st['bw_fraction']:5.1f} % | " if "us" in st else " " * 22)
+                         + f"stock {st['stock_us']:9.1f} us {100 * st['stock_bw_fraction']:5.1f} %")
+    if result.get("e2e"):
         lines.append(f"{'conc':>4} {'out tok':>8} {'seconds':>8} {'tok/s':>9} {'TPOT ms':>8} {'TTFT ms':>8}")
         for r in result["e2e"]:
             lines.append(f"{r['concurrency']:>4} {r['output_tokens']:>8} {r['seconds']:>8.2f} "
@@ -116,7 +129,12 @@ def cmd_bench(args) -> int:
         graph_warmup=args.graph_warmup, skip_eager=args.skip_eager, skip_graph=args.skip_graph,
         skip_e2e=args.skip_e2e, prompt_len=args.prompt_len, gen_len=args.gen_len, bw_gib=args.bw_gib, seed=args.seed,
     )
-    result = _clean(run_stock(opts))
+    if args.mode == "specialized":
+        from .specialized import run_specialized
+
+        result = _clean(run_specialized(opts, args.policy))
+    else:
+        result = _clean(run_stock(opts))
     out = args.out or default_out_path(result)
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
@@ -137,3 +155,47 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def add_tune_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `tune-policy`: measure every stage choice on this GPU and write the policy table."""
+    p = subparsers.add_parser(
+        "tune-policy", help="measure every stage choice (stock included) on this GPU and write the policy",
+        description="Times every choice of every specialized stage, stock included, at every captured token "
+                    "count on the 8-layer real-width slice (CUDA-graph replays, weights cycled past L2), and "
+                    "writes the fastest per stage and token count as a policy JSON.",
+    )
+    p.add_argument("--out", default=None, help="the policy JSON (default: the package's file for this GPU)")
+    p.add_argument("--sizes", type=_int_list, default=_int_list("1,2,4,8,16,24,32,48,64"))
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--replays", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_tune)
+    return p
+
+
+def cmd_tune(args) -> int:
+    import torch
+
+    from ..specialized_decode.policy import POLICY_DIR, gpu_slug
+    from .slice import build_slice_model, slice_config
+    from .specialized import tune_policy
+    from .stock import _versions
+
+    if not torch.cuda.is_available():
+        print("glm5next tune-policy: needs a CUDA GPU (it measures CUDA-graph replays)", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    model = build_slice_model(slice_config(args.layers), device, seed=args.seed)
+    policy, times = tune_policy(model, [m for m in args.sizes if m <= 64], args.replays)
+    name = torch.cuda.get_device_name(device)
+    out = args.out or os.path.join(POLICY_DIR, gpu_slug(name) + ".json")
+    v = _versions(device)
+    doc = policy.to_dict(gpu=name, measured=v["date"], torch=v["torch"], triton=v["triton"],
+                         by="glm5next tune-policy on the real-width 8-layer slice", times_us=times)
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(_clean(doc), f, indent=1)
+        f.write("\n")
+    print(f"wrote {out}: {policy}")
+    return 0

@@ -29,6 +29,8 @@ class Glm5NextModel(nn.Module):
         self.norm = RMSNorm(d, config.rms_norm_eps)
         self.lm_head = Linear(d, config.vocab_size)
         self.mtp = MtpLayer(config) if with_mtp and config.num_nextn_predict_layers else None
+        self.aux_hidden_state_layers: tuple[int, ...] = ()
+        """Layers whose hidden states a draft model would collect (none: no such drafts here)."""
 
     @classmethod
     def from_pretrained(

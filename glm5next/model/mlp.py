@@ -8,6 +8,7 @@ from torch import nn
 
 from .linear import Linear
 from .params import TensorSpec
+from .routing import route_of
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -26,6 +27,9 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        route = route_of(self)
+        if route is not None:
+            return route(x)
         return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.swiglu_limit))
 
     def tensor_specs(self, prefix: str) -> dict[str, TensorSpec]:

@@ -87,6 +87,8 @@ class LLMEngine:
         capture_sizes=DEFAULT_CAPTURE_SIZES,
         seed: int = 0,
         progress: bool = True,
+        decode_backend: str = "stock",
+        policy: str | None = None,
     ) -> None:
         if isinstance(model, Glm5NextModel):
             self.model = model
@@ -114,7 +116,10 @@ class LLMEngine:
         )
         self.cache = ModelCache(self.config, self.plan.num_blocks, block_size, max_num_seqs, self.dtype, self.device,
                                 include_mtp=False)
-        self.runner = Runner(self.model, self.cache, self.max_model_len, self.capture_sizes)
+        from ..specialized_decode import build_executor
+
+        self.executor = build_executor(self.model, decode_backend, policy, self.capture_sizes, enforce_eager)
+        self.runner = Runner(self.model, self.cache, self.max_model_len, self.capture_sizes, self.executor)
         if self.device.type == "cuda" and not enforce_eager:
             self.runner.capture()
         self.scheduler = Scheduler(BlockManager(self.plan.num_blocks, max_num_seqs, block_size), max_num_seqs,

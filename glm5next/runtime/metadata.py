@@ -81,6 +81,9 @@ class ForwardContext:
     positions: torch.Tensor
     """[tokens] int64 absolute positions."""
     cudagraph_mode: CUDAGraphMode = CUDAGraphMode.NONE
+    capturing: bool = False
+    """Whether this forward is being recorded into a CUDA graph (on the CPU: declared so, to run
+    the planned path eagerly). Warm-ups before a capture run with False, so they take the stock path."""
 
     def metadata(self, prefix: str) -> AttnMetadata:
         """The step metadata of the attention layer at `prefix`."""

@@ -99,8 +99,11 @@ class Runner:
         cache: ModelCache,
         max_model_len: int | None = None,
         capture_sizes=DEFAULT_CAPTURE_SIZES,
+        executor=None,
     ) -> None:
         self.model = model
+        self.executor = executor
+        """A `SpecializedDecode` that plans captured decode steps, or None (stock only)."""
         self.cache = cache
         self.device = model.embed_tokens.device
         self.prefixes = [layer.self_attn.prefix for layer in model.layers]
@@ -112,6 +115,8 @@ class Runner:
         self.graph_mode = False
         """Run graph-eligible steps eagerly, but as a capture would (static shapes, FULL mode)."""
         self.num_replays = 0
+        if executor is not None:
+            executor.prepare_kv(cache)
 
     # ------------------------------------------------------------------ eager
     @torch.inference_mode()
@@ -170,13 +175,17 @@ class Runner:
             self.static = _StaticInputs(self.capture_sizes[-1], self.max_blocks, self.device)
         return self.static
 
-    def _forward(self, size: int) -> torch.Tensor:
-        """The decode forward of `size` rows over the static buffers, to fp32 logits."""
+    def _forward(self, size: int, capturing: bool) -> torch.Tensor:
+        """The decode forward of `size` rows over the static buffers, to fp32 logits; planned by the
+        executor when `capturing` (a capture, or a step declared as one) and it accepts the step."""
         st = self._ensure_static()
         md = st.metadata(size)
-        ctx = ForwardContext({p: md for p in self.prefixes}, md.positions, CUDAGraphMode.FULL)
-        hidden = self.model(st.views["input_ids"][:size], ctx, self.cache)
-        return self.model.compute_logits(hidden)
+        ctx = ForwardContext({p: md for p in self.prefixes}, md.positions, CUDAGraphMode.FULL, capturing)
+        ids = st.views["input_ids"][:size]
+        step = self.executor.plan(ctx, size) if self.executor is not None else None
+        if step is not None:
+            return self.executor.compute_logits(self.executor.run(step, ids))
+        return self.model.compute_logits(self.model(ids, ctx, self.cache))
 
     @torch.inference_mode()
     def load_decode(self, items: list[Item], size: int) -> None:
@@ -196,7 +205,7 @@ class Runner:
             graph.replay()
             self.num_replays += 1
         else:
-            logits = self._forward(size)
+            logits = self._forward(size, capturing=True)  # graph mode: run as the capture would
         return logits[: len(items)]
 
     @torch.inference_mode()
@@ -210,10 +219,12 @@ class Runner:
             self.load_decode([], size)  # every row padding: nothing real is written
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                self._forward(size)  # warm-up: lazy initialisation happens outside the capture
+                self._forward(size, capturing=False)  # warm-up: lazy initialisation outside the capture
+                if self.executor is not None:
+                    self._forward(size, capturing=True)  # compiles and warms the planned path's kernels
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = self._forward(size)
+                logits = self._forward(size, capturing=True)
             self.graphs[size] = (graph, logits)
         torch.cuda.synchronize()

@@ -1,1 +1,47 @@
-"""The specialized decode executor (planned steps of at most 64 tokens)."""
+"""The specialized decode executor: a measured policy, one plan per captured step, fused stages."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .decode import LayerStages, SpecializedDecode, Step, is_decode
+from .policy import STAGES, Policy, PolicyError
+
+__all__ = ["LayerStages", "Policy", "PolicyError", "SpecializedDecode", "STAGES", "Step", "is_decode",
+           "build_executor", "DECODE_BACKENDS"]
+
+logger = logging.getLogger(__name__)
+
+DECODE_BACKENDS = ("auto", "specialized", "stock")
+
+
+def build_executor(model, backend: str, policy_path: str | None, capture_sizes, enforce_eager: bool):
+    """The executor the runner plans captured decode steps with, or None (stock).
+
+    'auto' picks the specialized executor on a GPU for which a measured policy ships (or one is
+    given), stock otherwise; 'specialized' insists (an error names what is missing); 'stock' never.
+    """
+    if backend not in DECODE_BACKENDS:
+        raise ValueError(f"decode_backend={backend!r}: choose one of {', '.join(DECODE_BACKENDS)}")
+    if backend == "stock":
+        return None
+    device = model.embed_tokens.device
+    if policy_path is not None:
+        policy = Policy.from_file(policy_path)
+    elif device.type == "cuda":
+        policy = Policy.for_gpu(torch.cuda.get_device_name(device))
+    else:
+        policy = None
+    if policy is None:
+        if backend == "specialized":
+            where = torch.cuda.get_device_name(device) if device.type == "cuda" else "the CPU"
+            raise ValueError(f"decode_backend='specialized': no measured policy ships for {where}; "
+                             f"measure one with `glm5next tune-policy` and pass it as the policy file")
+        return None
+    if enforce_eager and device.type == "cuda":
+        if backend == "specialized":
+            logger.warning("decode_backend='specialized' with enforce_eager: nothing is captured, so nothing is planned")
+        return None
+    return SpecializedDecode(model, policy, capture_sizes)

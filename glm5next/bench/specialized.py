@@ -1,0 +1,168 @@
+"""The specialized executor on the slice: stock eager, stock CUDA graph and specialized CUDA graph
+step times against the floor, the per-stage table, and the estimate for the full 45-layer model.
+
+The estimate adds, to the slice's step (layers 0-7 and the head), the measured time of one
+KDA+MoE layer and one DSA+MoE layer (each captured alone in a graph, planned and stock) times the
+number of such layers the full model has beyond the slice.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from ..config import DSA, KDA
+from ..model.routing import routed
+from ..runtime.metadata import CUDAGraphMode, ForwardContext
+from ..runtime.runner import Runner
+from ..specialized_decode import Policy, SpecializedDecode
+from .stages import stage_cases, time_choice
+from .stock import StockOptions, _items, _release, _step_benchmarks, _versions, log, time_replays
+from .floor import measure_read_bandwidth
+from .slice import build_slice_model, fill_context, make_cache, slice_config
+
+FULL_LAYERS = {"kda_moe": 31, "dsa_moe": 11, "kda_dense": 3}
+"""GLM-5.3-Flash's 45 layers by kind: DSA at i % 4 == 3, dense MLPs in layers 0-2."""
+
+
+def _time_graph(fn, replays: int = 30) -> float:
+    """Median milliseconds of replays of a graph capturing `fn` once."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return statistics.median(time_replays(graph, replays, 3))
+
+
+def _layer_times(model, executor: SpecializedDecode, runner: Runner, m: int) -> dict:
+    """Milliseconds of one KDA+MoE and one DSA+MoE layer at m decode tokens, planned and stock."""
+    cfg, dev, dt = model.config, model.embed_tokens.device, model.embed_tokens.dtype
+    md = runner.static.metadata(m)
+    ctx = ForwardContext({p: md for p in runner.prefixes}, md.positions, CUDAGraphMode.FULL, True)
+    step = executor.plan(ctx, m)
+    out = {}
+    for kind, name in ((KDA, "kda_moe"), (DSA, "dsa_moe")):
+        layer = next(layer for layer in model.layers if layer.layer_kind == kind and layer.mlp_is_moe)
+        x = torch.randn(m, cfg.hidden_size, device=dev).to(dt)
+        streams = torch.randn(m, cfg.hc_mult, cfg.hidden_size, device=dev).to(dt)
+        post = torch.rand(m, cfg.hc_mult, device=dev) * 2
+        comb = torch.full((m, cfg.hc_mult, cfg.hc_mult), 1.0 / cfg.hc_mult, device=dev)
+
+        def planned():
+            with routed(executor.routes(m)):
+                executor.layer(layer, x, False, streams, post, comb, step)
+                executor.projections.reset()
+
+        def stock():
+            layer(streams, ctx, runner.cache)
+
+        out[name] = {"specialized_ms": _time_graph(planned), "stock_ms": _time_graph(stock)}
+    return out
+
+
+def run_specialized(opts: StockOptions, policy_path: str | None) -> dict:
+    """Everything the module docstring names, as a JSON-ready dict."""
+    device = torch.device(opts.device or "cuda")
+    if device.type != "cuda":
+        raise ValueError("the specialized benchmark needs a CUDA device (its steps run as CUDA graphs)")
+    config = slice_config(opts.layers, small=opts.small)
+    log(f"building the {'small' if opts.small else 'real-width'} {opts.layers}-layer slice")
+    model = build_slice_model(config, device, seed=opts.seed)
+    policy = Policy.from_file(policy_path) if policy_path else Policy.for_gpu(torch.cuda.get_device_name(device))
+    if policy is None:
+        raise ValueError("no policy: pass --policy or run `glm5next tune-policy` first")
+    bw = measure_read_bandwidth(device, opts.bw_gib)
+    result = {"mode": "specialized", "slice": "small" if opts.small else "real", **_versions(device),
+              "context": opts.context, "policy": {"source": policy.source, "tables": policy.to_dict()["tables"]},
+              "bandwidth": bw, "notes": [], "e2e": []}
+    tokens = sorted(set(opts.tokens))
+    rows = {r["tokens"]: r for r in _step_benchmarks(model, config, device, tokens, opts, bw["bytes_per_s"],
+                                                      result["notes"])}
+    _release(device)
+    cache = make_cache(config, tokens[-1], opts.context, opts.block_size, model.embed_tokens.dtype, device)
+    blocks = fill_context(cache, tokens[-1], opts.context, seed=opts.seed)
+    executor = SpecializedDecode(model, policy, tokens)
+    runner = Runner(model, cache, len(blocks[0]) * opts.block_size, tokens, executor)
+    t = time.perf_counter()
+    runner.capture()
+    log(f"specialized graphs captured in {time.perf_counter() - t:.1f} s")
+    for m in tokens:
+        items = _items(m, opts.context, blocks, config.vocab_size, opts.seed)
+        snapshot = [x.clone() for x in cache.tensors()]
+        runner.load_decode(items, m)
+        graph, logits = runner.graphs[m]
+        if True:  # exactness on this state: the planned replay vs the stock eager step
+            graph.replay()
+            got = logits[:m].clone()
+            for x, s in zip(cache.tensors(), snapshot):
+                x.copy_(s)
+            want = runner.execute(items, m, allow_graph=False)
+            rows[m]["specialized_vs_stock_rel_err"] = float((got - want).abs().max() / want.abs().max())
+            rows[m]["top1_agree"] = float((got.argmax(-1) == want.argmax(-1)).float().mean())
+            for x, s in zip(cache.tensors(), snapshot):
+                x.copy_(s)
+            del snapshot
+            runner.load_decode(items, m)
+        times = time_replays(graph, opts.replays, opts.graph_warmup)
+        row = rows[m]
+        row["specialized_ms"] = statistics.median(times)
+        row["specialized_over_floor"] = row["specialized_ms"] / row["floor_ms"]
+        row["specialized_bw_fraction"] = row["floor_ms"] / row["specialized_ms"]
+        log(f"M={m}: specialized graph {row['specialized_ms']:.2f} ms ({row['specialized_over_floor']:.1f}x floor; "
+            f"stock graph {row.get('graph_ms', float('nan')):.2f} ms)")
+        row["stages"] = _stage_rows(model, m, policy, bw["bytes_per_s"])
+        row["layers"] = _layer_times(model, executor, runner, m)
+        extra = {k: FULL_LAYERS[k] - sum(1 for layer in model.layers if _kind(layer) == k) for k in FULL_LAYERS}
+        for path, key in (("specialized", "specialized_ms"), ("stock", "graph_ms")):
+            if key in row:
+                row[f"full_model_{path}_ms"] = row[key] + sum(
+                    n * row["layers"][k][f"{path}_ms"] for k, n in extra.items() if k in row["layers"])
+    result["steps"] = [rows[m] for m in tokens]
+    result["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
+    return result
+
+
+def _kind(layer) -> str:
+    return ("kda" if layer.layer_kind == KDA else "dsa") + ("_moe" if layer.mlp_is_moe else "_dense")
+
+
+def _stage_rows(model, m: int, policy: Policy, bandwidth: float) -> list[dict]:
+    rows = []
+    for case in stage_cases(model, m):
+        choice = policy(case.stage, m)
+        stock_us = time_choice(case, "stock")
+        row = {"stage": case.stage, "choice": choice or "stock", "bytes": case.bytes_per_call, "stock_us": stock_us,
+               "stock_bw_fraction": case.bytes_per_call / (stock_us * 1e-6) / bandwidth}
+        if choice is not None:
+            us = time_choice(case, choice)
+            row.update(us=us, bw_fraction=case.bytes_per_call / (us * 1e-6) / bandwidth)
+        rows.append(row)
+        log(f"  M={m} {case.stage:14s} {row['choice']:8s} "
+            + (f"{row['us']:8.1f} us ({100 * row['bw_fraction']:5.1f} %)  " if "us" in row else "")
+            + f"stock {stock_us:8.1f} us ({100 * row['stock_bw_fraction']:5.1f} %)")
+    return rows
+
+
+def tune_policy(model, sizes, replays: int = 20) -> tuple[Policy, dict]:
+    """Time every choice (stock included) of every stage at every size; the fastest wins."""
+    tables, times = {}, {}
+    for m in sizes:
+        for case in stage_cases(model, m):
+            measured = {}
+            for c in case.runs:
+                try:
+                    measured[c] = time_choice(case, c, replays)
+                except Exception as e:  # a choice that fails here is never picked; say why
+                    log(f"M={m} {case.stage}: {c} failed: {type(e).__name__}: {e}")
+                    torch.cuda.synchronize()
+            best = min(measured, key=measured.get)
+            tables.setdefault(case.stage, {})[str(m)] = best
+            times.setdefault(case.stage, {})[str(m)] = measured
+            log(f"M={m} {case.stage:14s} -> {best:8s} " + "  ".join(f"{c} {t:.1f} us" for c, t in measured.items()))
+    return Policy(tables, source="tuned"), times

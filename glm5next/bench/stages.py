@@ -1,0 +1,190 @@
+"""Each specialized stage against its stock module, at one token count, through CUDA-graph replays.
+
+A case runs one stage the way a planned step runs it (the same routed module calls, the same
+stage objects) over every instance the slice has of it — every layer's weights, plus copies where
+one layer's bytes would fit in the 60 MB L2 — so each replay streams its weights from HBM. The
+time of one call is the replay time over the calls captured in it. `glm5next tune-policy` picks
+the fastest choice per stage and token count from these cases; `glm5next bench --mode specialized`
+reports them beside the bytes each call reads.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..config import DSA, KDA
+from ..model.mhc import hc_post
+from ..model.routing import routed
+from ..specialized_decode.boundary import BoundaryStage
+from ..specialized_decode.dense_mlp import DenseMlpStage
+from ..specialized_decode.linear import DSA_GROUP, DSA_SINGLES, KDA_GROUP, KDA_SINGLES, ProjectionRoutes, _get
+from ..specialized_decode.logits import LogitsStage
+from ..specialized_decode.policy import STAGES, STOCK, Policy
+
+L2_BYTES = 60 * 2**20
+ROTATE_BYTES = 4 * L2_BYTES
+"""Bytes a case cycles through per replay, at least: enough that L2 holds none of it."""
+
+
+@dataclass
+class Case:
+    stage: str
+    tokens: int
+    bytes_per_call: int
+    """Weight (and scale) bytes one call reads, averaged over the instances."""
+    runs: dict[str, Callable[[], None]] = field(default_factory=dict)
+    """choice -> one call of each instance, in order."""
+    calls: int = 1
+
+
+def _nbytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _linear_bytes(m) -> int:
+    return _nbytes(m.weight, m.weight_scale_inv)
+
+
+def _copies(instance_bytes: int) -> int:
+    return max(1, -(-ROTATE_BYTES // max(instance_bytes, 1)))
+
+
+def boundary_case(model, m: int) -> Case:
+    """The fused boundary vs stock post + pre + norm, over every mixer (copied past L2)."""
+    cfg, dev, dt = model.config, model.embed_tokens.device, model.embed_tokens.dtype
+    gen = torch.Generator(device=dev).manual_seed(m)
+    mixers = [(layer.attn_hc, layer.input_layernorm) for layer in model.layers]
+    mixers += [(layer.ffn_hc, layer.post_attention_layernorm) for layer in model.layers]
+    per = _nbytes(mixers[0][0].fn) + m * cfg.hc_mult * cfg.hidden_size * dt.itemsize * 3
+    insts = []
+    for k in range(_copies(per * len(mixers))):
+        for hc, norm in mixers:
+            hc2 = hc if k == 0 else copy.deepcopy(hc)
+            streams = torch.randn(m, cfg.hc_mult, cfg.hidden_size, generator=gen, device=dev).to(dt)
+            out = torch.randn(m, cfg.hidden_size, generator=gen, device=dev).to(dt)
+            post = torch.rand(m, cfg.hc_mult, generator=gen, device=dev) * 2
+            comb = torch.full((m, cfg.hc_mult, cfg.hc_mult), 1.0 / cfg.hc_mult, device=dev)
+            insts.append((hc2, norm, out, streams, post, comb))
+    stage = BoundaryStage(cfg)
+
+    def fused():
+        for hc, norm, out, streams, post, comb in insts:
+            stage(out, streams, post, comb, hc, norm)
+
+    def stock():
+        for hc, norm, out, streams, post, comb in insts:
+            x, _, _ = hc.pre(hc_post(out, streams, post, comb))
+            norm(x)
+
+    return Case("boundary", m, per, {"fused": fused, STOCK: stock}, len(insts))
+
+
+def _projection_case(model, m: int, kind: str, stage: str) -> Case:
+    dev, dt = model.embed_tokens.device, model.embed_tokens.dtype
+    gen = torch.Generator(device=dev).manual_seed(m + 1)
+    group_names, single_names = (KDA_GROUP, KDA_SINGLES) if kind == KDA else (DSA_GROUP, DSA_SINGLES)
+    layers = [layer for layer in model.layers if layer.layer_kind == kind]
+    calls, total = [], 0
+    for layer in layers:
+        attn = layer.self_attn
+        x = torch.randn(m, model.config.hidden_size, generator=gen, device=dev).to(dt)
+        mods = [(_get(attn, n), x) for n in group_names]
+        for n in single_names:
+            mod = _get(attn, n)
+            mods.append((mod, torch.randn(m, mod.in_features, generator=gen, device=dev).to(dt)))
+        calls.append(mods)
+        total += sum(_linear_bytes(mod) for mod, _ in mods)
+    calls = calls * _copies(total)
+    runs = {}
+    for choice in STAGES[stage] + (STOCK,):
+        routes = ProjectionRoutes(layers, Policy({stage: {str(m): choice}}), dt)
+        table = routes.table(m)
+
+        def run(table=table, routes=routes):
+            with routed(table):
+                for mods in calls:
+                    for mod, x in mods:
+                        mod(x)
+                    routes.reset()
+
+        runs[choice] = run
+    return Case(stage, m, total // len(layers), runs, len(calls))
+
+
+def _mlp_case(model, m: int, stage: str) -> Case:
+    dev, dt = model.embed_tokens.device, model.embed_tokens.dtype
+    gen = torch.Generator(device=dev).manual_seed(m + 2)
+    if stage == "dense_mlp":
+        mlps = [layer.mlp for layer in model.layers if not layer.mlp_is_moe]
+    else:
+        mlps = [layer.mlp.shared_experts for layer in model.layers if layer.mlp_is_moe]
+    per = _linear_bytes(mlps[0].gate_proj) * 2 + _linear_bytes(mlps[0].down_proj)
+    insts = [(mlp, DenseMlpStage(mlp), torch.randn(m, model.config.hidden_size, generator=gen, device=dev).to(dt))
+             for mlp in mlps] * _copies(per * len(mlps))
+
+    def fused():
+        for _, st, x in insts:
+            st(x)
+
+    def stock():
+        for mlp, _, x in insts:
+            mlp(x)
+
+    return Case(stage, m, per, {"fused": fused, STOCK: stock}, len(insts))
+
+
+def logits_case(model, m: int) -> Case:
+    dev, dt = model.embed_tokens.device, model.embed_tokens.dtype
+    h = torch.randn(m, model.config.hidden_size, generator=torch.Generator(device=dev).manual_seed(m), device=dev).to(dt)
+    head = LogitsStage(model.lm_head)
+    runs = {c: (lambda c=c: head(h, c)) for c in STAGES["logits_head"]}
+    runs[STOCK] = lambda: model.compute_logits(h)
+    return Case("logits_head", m, _linear_bytes(model.lm_head), runs, 1)
+
+
+def stage_cases(model, m: int, stages=None) -> list[Case]:
+    """Every stage's case at `m` tokens (those in `stages`, when given) that this backbone supports."""
+    builders = {
+        "boundary": lambda: boundary_case(model, m),
+        "kda_proj": lambda: _projection_case(model, m, KDA, "kda_proj"),
+        "dsa_proj": lambda: _projection_case(model, m, DSA, "dsa_proj"),
+        "dense_mlp": lambda: _mlp_case(model, m, "dense_mlp"),
+        "shared_expert": lambda: _mlp_case(model, m, "shared_expert"),
+        "logits_head": lambda: logits_case(model, m),
+    }
+    kinds = {layer.layer_kind for layer in model.layers}
+    has = {"kda_proj": KDA in kinds, "dsa_proj": DSA in kinds,
+           "dense_mlp": any(not layer.mlp_is_moe for layer in model.layers),
+           "shared_expert": any(layer.mlp_is_moe for layer in model.layers),
+           "logits_head": model.lm_head.weight.dtype == torch.bfloat16, "boundary": True}
+    return [builders[s]() for s in (stages or STAGES) if has[s]]
+
+
+def time_choice(case: Case, choice: str, replays: int = 20) -> float:
+    """Median microseconds of one call of `choice`, from CUDA-graph replays of every instance."""
+    run = case.runs[choice]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()  # compiles kernels and warms allocations outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / case.calls)
+    del graph
+    return statistics.median(times)
+

@@ -1,0 +1,165 @@
+"""The fused mHC boundary: one Triton launch between two sublayers.
+
+In a decode step the work between two sublayers is the previous sublayer's mHC post
+(`hc_post`), the next sublayer's pre (mixer GEMV, sigmoid/softmax, Sinkhorn, collapse) and the
+next RMSNorm. `mhc_boundary` does all of it in one launch; `mhc_first` is the first layer's
+expand + pre + norm and `mhc_last` the last layer's post + mean of the streams + final norm.
+
+All three are CUDA-graph safe: static shapes, no host syncs, outputs written into the given
+buffers (`new_streams` must not be `streams`: a program writes stream j before it has read
+them all). The per-token-block ticket counters live in one zeroed int32 buffer per device, reset by
+the kernel itself; it is allocated on the first call, so call once eagerly before capturing.
+One boundary at a time per device (launches on one stream).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from .kernel import mhc_kernel
+
+__all__ = ["mhc_boundary", "mhc_first", "mhc_last", "plan"]
+
+MAX_TICKETS = 4096
+_TICKETS: dict[torch.device, torch.Tensor] = {}
+
+
+def _tickets(device: torch.device) -> torch.Tensor:
+    t = _TICKETS.get(device)
+    if t is None:
+        t = _TICKETS[device] = torch.zeros(MAX_TICKETS, dtype=torch.int32, device=device)
+    return t
+
+
+def _p2(x: int) -> int:
+    return triton.next_power_of_2(max(1, int(x)))
+
+
+SINKHORN_IN_REGISTERS: bool | None = None
+"""n = 4 Sinkhorn as 16 register values (the GPU's path) or as [n, n] tiles (the interpreter's:
+far fewer operations); None picks by device. Tests set it to check the GPU path on the CPU."""
+
+
+def plan(T: int, D: int, n: int, on_gpu: bool, block_t: int | None = None, chunk: int | None = None) -> dict:
+    """Tile sizes: token block BT, chunk of D per program (SUB * NSUB), finisher tiles NCB and FIN."""
+    rows = _p2(n + 3)
+    w = rows * n
+    if block_t is None:
+        # On an H200 one token per program is fastest at small T (the finisher's work is per
+        # token block and runs on one SM); the interpreter wants few, large programs.
+        block_t = (1 if T <= 32 else 2) if on_gpu else min(_p2(T), 8)
+    bt = _p2(block_t)
+    if chunk is None:
+        chunk = (64 if T <= 4 else 128 if T <= 16 else 256) if on_gpu else min(_p2(D), 1024)
+    chunk = _p2(chunk)
+    # Registers bound the GPU's sub-tile; the interpreter pays per operation, so one sub-tile per chunk.
+    sub = min(chunk, max(16, min(64, 2048 // (bt * w)))) if on_gpu else chunk
+    nc = triton.cdiv(D, chunk)
+    return dict(
+        ROWS=rows, BT=bt, SUB=sub, NSUB=chunk // sub, NC=nc, NT=triton.cdiv(T, bt),
+        NCB=min(_p2(nc), max(1, 1024 // (bt * w))),
+        FIN=min(_p2(D), max(16, 4096 // bt)),
+        SK4=on_gpu if SINKHORN_IN_REGISTERS is None else SINKHORN_IN_REGISTERS,
+    )
+
+
+def _launch(mode, out, streams, post, comb, fn, base, scale, w, new_streams, new_post, new_comb, x,
+            hc_eps, rms_eps, norm_eps, sinkhorn_iters, post_mult, block_t, chunk):
+    T, D = out.shape
+    n = streams.shape[1] if new_streams is None else new_streams.shape[1]
+    if not 1 <= T:
+        raise ValueError("need at least one token")
+    p = plan(T, D, n, out.is_cuda, block_t, chunk)
+    nt = p.pop("NT")
+    if nt > MAX_TICKETS:
+        raise ValueError(f"{T} tokens need {nt} ticket counters (max {MAX_TICKETS})")
+    for t in (new_streams, new_post, new_comb, x):
+        if t is not None and not t.is_contiguous():
+            raise ValueError("output buffers must be contiguous")
+    part = torch.empty(T * p["NC"] * p["ROWS"] * n, dtype=torch.float32, device=out.device)
+    dummy = out
+    mhc_kernel[(p["NC"], nt)](
+        out, dummy if streams is None else streams, dummy if post is None else post,
+        dummy if comb is None else comb, dummy if fn is None else fn, dummy if base is None else base,
+        dummy if scale is None else scale, w,
+        dummy if new_streams is None else new_streams, dummy if new_post is None else new_post,
+        dummy if new_comb is None else new_comb, x,
+        part, _tickets(out.device),
+        T, float(hc_eps), float(rms_eps), float(norm_eps), float(post_mult),
+        D=D, N=n, MODE=mode, ITERS=int(sinkhorn_iters), **p, num_warps=4,
+    )
+
+
+def _c(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.contiguous()
+
+
+def _buffers(like: torch.Tensor, dtype: torch.dtype, n: int, new_streams, new_post, new_comb, x):
+    T, D = like.shape
+    kw = dict(device=like.device)
+    if new_streams is None:
+        new_streams = torch.empty(T, n, D, dtype=dtype, **kw)
+    if new_post is None:
+        new_post = torch.empty(T, n, dtype=torch.float32, **kw)
+    if new_comb is None:
+        new_comb = torch.empty(T, n, n, dtype=torch.float32, **kw)
+    if x is None:
+        x = torch.empty(T, D, dtype=dtype, **kw)
+    return new_streams, new_post, new_comb, x
+
+
+def _check_mixer(fn, base, scale, n, D):
+    w = (2 + n) * n
+    if fn.shape != (w, n * D) or base.shape != (w,) or scale.shape != (3,):
+        raise ValueError(f"mixer shapes {tuple(fn.shape)}, {tuple(base.shape)}, {tuple(scale.shape)} for n={n}, D={D}")
+    if n & (n - 1):
+        raise ValueError("the number of streams must be a power of two")
+
+
+def mhc_boundary(
+    out, streams, post, comb, fn, base, scale, norm_weight, *,
+    hc_eps, rms_eps, norm_eps, sinkhorn_iters, post_mult,
+    new_streams=None, new_post=None, new_comb=None, x=None, block_t=None, chunk=None,
+):
+    """(new_streams [T, n, D], new_post [T, n] fp32, new_comb [T, n, n] fp32, x [T, D]).
+
+    new_streams = hc_post(out, streams, post, comb) in the streams' dtype; (pre, new_post,
+    new_comb) = the next mixer's weights of the cast new_streams; x = rms_norm(collapse,
+    norm_weight, norm_eps) in the model dtype. `fn` [(2+n)n, nD], `base`, `scale` fp32.
+    """
+    T, n, D = streams.shape
+    _check_mixer(fn, base, scale, n, D)
+    if new_streams is not None and new_streams.data_ptr() == streams.data_ptr():
+        raise ValueError("new_streams must not alias streams")
+    new_streams, new_post, new_comb, x = _buffers(out, streams.dtype, n, new_streams, new_post, new_comb, x)
+    _launch(0, _c(out), _c(streams), _c(post), _c(comb), _c(fn), _c(base), _c(scale), _c(norm_weight),
+            new_streams, new_post, new_comb, x, hc_eps, rms_eps, norm_eps, sinkhorn_iters, post_mult, block_t, chunk)
+    return new_streams, new_post, new_comb, x
+
+
+def mhc_first(
+    embedded, fn, base, scale, norm_weight, *,
+    hc_eps, rms_eps, norm_eps, sinkhorn_iters, post_mult,
+    streams=None, post=None, comb=None, x=None, block_t=None, chunk=None,
+):
+    """(streams [T, n, D], post, comb, x) of the first layer: n copies of `embedded` [T, D], pre, norm."""
+    T, D = embedded.shape
+    n = fn.shape[1] // D
+    _check_mixer(fn, base, scale, n, D)
+    streams, post, comb, x = _buffers(embedded, embedded.dtype, n, streams, post, comb, x)
+    _launch(1, _c(embedded), None, None, None, _c(fn), _c(base), _c(scale), _c(norm_weight),
+            streams, post, comb, x, hc_eps, rms_eps, norm_eps, sinkhorn_iters, post_mult, block_t, chunk)
+    return streams, post, comb, x
+
+
+def mhc_last(out, streams, post, comb, final_norm_weight, *, norm_eps, hidden=None, block_t=None, chunk=None):
+    """The post-final-norm hidden states [T, D]: hc_post, the mean of the (cast) streams, RMSNorm."""
+    T, n, D = streams.shape
+    if hidden is None:
+        hidden = torch.empty(T, D, dtype=streams.dtype, device=streams.device)
+    elif not hidden.is_contiguous():
+        raise ValueError("hidden must be contiguous")
+    _launch(2, _c(out), _c(streams), _c(post), _c(comb), None, None, None, _c(final_norm_weight),
+            None, None, None, hidden, 0.0, 0.0, norm_eps, 1, 0.0, block_t, chunk)
+    return hidden

@@ -1,0 +1,229 @@
+"""The Triton kernel of the fused mHC boundary (one launch per boundary).
+
+Grid (NC, NT): program (c, tb) owns a block of BT tokens and a chunk of the hidden size. It
+writes its chunk of the new streams (the previous sublayer's hc_post, cast to the model dtype)
+and the partial mixer products of those cast values against `fn` plus their partial sum of
+squares into a workspace row `part[t, c, :]` (slot a*n + b of the (2+n) x n mixer outputs; slot
+(2+n)*n holds the sum of squares). It then takes a ticket from the token block's counter; the
+program that draws the last ticket resets the counter (so a CUDA graph can replay the launch)
+and finishes the block: it reduces the partials, computes pre/post/comb (Sinkhorn on registers
+for n = 4), collapses the new streams (hot in L2; read with .cg, past the incoherent L1) with
+the pre weights and applies the RMSNorm, in registers when a row fits in one FIN tile.
+
+MODE 0: boundary; MODE 1: first layer (the streams are n copies of `out`); MODE 2: last layer
+(the mean of the new streams, then the final RMSNorm: only the sum-of-squares slot is used).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _unit4(a0, a1, a2, a3, eps):
+    s = (a0 + a1) + (a2 + a3) + eps
+    return a0 / s, a1 / s, a2 / s, a3 / s
+
+
+@triton.jit
+def _sinkhorn4(cm, tok, tmask, kk, new_comb_ptr, hc_eps, ITERS: tl.constexpr):
+    """The remaining Sinkhorn iterations of n = 4 on per-token scalars held in registers (no
+    cross-lane reductions inside the loop), then the store of comb [T, 4, 4]. `cm` [BT, 32] holds
+    c[i, j] at slot 8 + 4i + j."""
+    c00 = tl.sum(tl.where(kk[None, :] == 8, cm, 0.0), axis=1)
+    c01 = tl.sum(tl.where(kk[None, :] == 9, cm, 0.0), axis=1)
+    c02 = tl.sum(tl.where(kk[None, :] == 10, cm, 0.0), axis=1)
+    c03 = tl.sum(tl.where(kk[None, :] == 11, cm, 0.0), axis=1)
+    c10 = tl.sum(tl.where(kk[None, :] == 12, cm, 0.0), axis=1)
+    c11 = tl.sum(tl.where(kk[None, :] == 13, cm, 0.0), axis=1)
+    c12 = tl.sum(tl.where(kk[None, :] == 14, cm, 0.0), axis=1)
+    c13 = tl.sum(tl.where(kk[None, :] == 15, cm, 0.0), axis=1)
+    c20 = tl.sum(tl.where(kk[None, :] == 16, cm, 0.0), axis=1)
+    c21 = tl.sum(tl.where(kk[None, :] == 17, cm, 0.0), axis=1)
+    c22 = tl.sum(tl.where(kk[None, :] == 18, cm, 0.0), axis=1)
+    c23 = tl.sum(tl.where(kk[None, :] == 19, cm, 0.0), axis=1)
+    c30 = tl.sum(tl.where(kk[None, :] == 20, cm, 0.0), axis=1)
+    c31 = tl.sum(tl.where(kk[None, :] == 21, cm, 0.0), axis=1)
+    c32 = tl.sum(tl.where(kk[None, :] == 22, cm, 0.0), axis=1)
+    c33 = tl.sum(tl.where(kk[None, :] == 23, cm, 0.0), axis=1)
+    for _ in range(ITERS - 1):
+        c00, c01, c02, c03 = _unit4(c00, c01, c02, c03, hc_eps)
+        c10, c11, c12, c13 = _unit4(c10, c11, c12, c13, hc_eps)
+        c20, c21, c22, c23 = _unit4(c20, c21, c22, c23, hc_eps)
+        c30, c31, c32, c33 = _unit4(c30, c31, c32, c33, hc_eps)
+        c00, c10, c20, c30 = _unit4(c00, c10, c20, c30, hc_eps)
+        c01, c11, c21, c31 = _unit4(c01, c11, c21, c31, hc_eps)
+        c02, c12, c22, c32 = _unit4(c02, c12, c22, c32, hc_eps)
+        c03, c13, c23, c33 = _unit4(c03, c13, c23, c33, hc_eps)
+    p = new_comb_ptr + tok * 16
+    tl.store(p + 0, c00, mask=tmask)
+    tl.store(p + 1, c01, mask=tmask)
+    tl.store(p + 2, c02, mask=tmask)
+    tl.store(p + 3, c03, mask=tmask)
+    tl.store(p + 4, c10, mask=tmask)
+    tl.store(p + 5, c11, mask=tmask)
+    tl.store(p + 6, c12, mask=tmask)
+    tl.store(p + 7, c13, mask=tmask)
+    tl.store(p + 8, c20, mask=tmask)
+    tl.store(p + 9, c21, mask=tmask)
+    tl.store(p + 10, c22, mask=tmask)
+    tl.store(p + 11, c23, mask=tmask)
+    tl.store(p + 12, c30, mask=tmask)
+    tl.store(p + 13, c31, mask=tmask)
+    tl.store(p + 14, c32, mask=tmask)
+    tl.store(p + 15, c33, mask=tmask)
+
+
+@triton.jit
+def _mhc_finish(
+    tok, tmask, kk,
+    fn_ptr, base_ptr, scale_ptr, w_ptr, new_streams_ptr, new_post_ptr, new_comb_ptr, x_ptr, part_ptr,
+    hc_eps, rms_eps, norm_eps, post_mult,
+    D: tl.constexpr, N: tl.constexpr, ROWS: tl.constexpr, MODE: tl.constexpr, ITERS: tl.constexpr,
+    BT: tl.constexpr, NC: tl.constexpr, NCB: tl.constexpr, FIN: tl.constexpr, SK4: tl.constexpr,
+):
+    W: tl.constexpr = ROWS * N
+    SSQ: tl.constexpr = (2 + N) * N
+    dtype = x_ptr.dtype.element_ty
+    # Sum the per-chunk partials of the token block ([BT, NCB, W] tiles, bypassing L1).
+    cb = tl.arange(0, NCB)
+    tot = tl.zeros((BT, W), tl.float32)
+    for c0 in tl.static_range(0, NC, NCB):
+        ptrs = part_ptr + (tok[:, None, None] * NC + c0 + cb[None, :, None]) * W + kk[None, None, :]
+        pm = tmask[:, None, None] & ((c0 + cb) < NC)[None, :, None]
+        tot += tl.sum(tl.load(ptrs, mask=pm, other=0.0, cache_modifier=".cg"), axis=1)
+    ssq = tl.sum(tl.where(kk[None, :] == SSQ, tot, 0.0), axis=1)
+    if MODE == 2:
+        r = tl.rsqrt(ssq / D + norm_eps)
+    else:
+        # The mixer outputs as [BT, ROWS, N]: row 0 pre, row 1 post, rows 2..n+1 the comb logits.
+        t3 = tl.reshape(tot, (BT, ROWS, N))
+        a = tl.arange(0, ROWS)[None, :, None]
+        b = tl.arange(0, N)[None, None, :]
+        valid = a < 2 + N
+        is_comb = valid & (a >= 2)
+        s0 = tl.load(scale_ptr)
+        s1 = tl.load(scale_ptr + 1)
+        s2 = tl.load(scale_ptr + 2)
+        sc = tl.where(a == 0, s0, tl.where(a == 1, s1, s2))
+        bs = tl.load(base_ptr + a * N + b, mask=valid, other=0.0)
+        rm = tl.rsqrt(ssq / (N * D) + rms_eps)
+        z = tl.where(valid, t3 * rm[:, None, None] * sc + bs, 0.0)
+        sig = 1.0 / (1.0 + tl.exp(-z))
+        pre = tl.sum(tl.where(a == 0, sig + hc_eps, 0.0), axis=1)
+        post = tl.sum(tl.where(a == 1, post_mult * sig, 0.0), axis=1)
+        e = tl.exp(z - tl.max(z, axis=2)[:, :, None])
+        cm = tl.where(is_comb, e / tl.sum(e, axis=2)[:, :, None] + hc_eps, 0.0)
+        cm = cm / (tl.sum(cm, axis=1)[:, None, :] + hc_eps)
+        jn = tl.arange(0, N)
+        tl.store(new_post_ptr + tok[:, None] * N + jn[None, :], post, mask=tmask[:, None])
+        if SK4 and N == 4:  # registers on the GPU; the interpreter prefers few vector operations
+            _sinkhorn4(tl.reshape(cm, (BT, W)), tok, tmask, kk, new_comb_ptr, hc_eps, ITERS)
+        else:
+            for _ in range(ITERS - 1):
+                cm = cm / (tl.sum(cm, axis=2)[:, :, None] + hc_eps)
+                cm = cm / (tl.sum(cm, axis=1)[:, None, :] + hc_eps)
+            tl.store(new_comb_ptr + tok[:, None, None] * (N * N) + (a - 2) * N + b, cm,
+                     mask=tmask[:, None, None] & is_comb)
+        # Collapse sum_j pre[j] * streams[j] (cast to the model dtype) and its sum of squares.
+        xsq = tl.zeros((BT, FIN), tl.float32)
+        for f in tl.static_range(0, D, FIN):
+            d = f + tl.arange(0, FIN)
+            m = tmask[:, None] & (d < D)[None, :]
+            col = tl.zeros((BT, FIN), tl.float32)
+            for j in tl.static_range(N):
+                pj = tl.sum(tl.where(jn[None, :] == j, pre, 0.0), axis=1)
+                sp = new_streams_ptr + (tok[:, None] * N + j) * D + d[None, :]
+                col += pj[:, None] * tl.load(sp, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+            col = col.to(dtype).to(tl.float32)
+            if FIN < D:
+                tl.store(x_ptr + tok[:, None] * D + d[None, :], col.to(dtype), mask=m)
+            xsq += col * col
+        r = tl.rsqrt(tl.sum(xsq, axis=1) / D + norm_eps)
+    if MODE != 2 and FIN >= D:
+        # The whole row is in registers: normalise it there.
+        d = tl.arange(0, FIN)
+        _norm_store(x_ptr + tok[:, None] * D + d[None, :], col, r, w_ptr, d, tmask[:, None] & (d < D)[None, :], D)
+    else:
+        tl.debug_barrier()
+        for f in tl.static_range(0, D, FIN):
+            d = f + tl.arange(0, FIN)
+            m = tmask[:, None] & (d < D)[None, :]
+            xp = x_ptr + tok[:, None] * D + d[None, :]
+            _norm_store(xp, tl.load(xp, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32), r, w_ptr, d, m, D)
+
+
+@triton.jit
+def _norm_store(xp, xv, r, w_ptr, d, m, D: tl.constexpr):
+    """RMSNorm as the stock code rounds it: weight * cast(x * r), cast to the model dtype."""
+    dtype = xp.dtype.element_ty
+    y = (xv * r[:, None]).to(dtype).to(tl.float32)
+    wv = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+    tl.store(xp, (wv[None, :] * y).to(dtype), mask=m)
+
+
+@triton.jit
+def mhc_kernel(
+    out_ptr, streams_ptr, post_ptr, comb_ptr,
+    fn_ptr, base_ptr, scale_ptr, w_ptr,
+    new_streams_ptr, new_post_ptr, new_comb_ptr, x_ptr,
+    part_ptr, ticket_ptr,
+    T, hc_eps, rms_eps, norm_eps, post_mult,
+    D: tl.constexpr, N: tl.constexpr, ROWS: tl.constexpr, MODE: tl.constexpr, ITERS: tl.constexpr,
+    BT: tl.constexpr, SUB: tl.constexpr, NSUB: tl.constexpr, NC: tl.constexpr, NCB: tl.constexpr,
+    FIN: tl.constexpr, SK4: tl.constexpr,
+):
+    W: tl.constexpr = ROWS * N
+    SSQ: tl.constexpr = (2 + N) * N
+    dtype = x_ptr.dtype.element_ty
+    c = tl.program_id(0)
+    tb = tl.program_id(1)
+    tok = tb * BT + tl.arange(0, BT)
+    tmask = tok < T
+    kk = tl.arange(0, W)
+    acc = tl.zeros((BT, W, SUB), tl.float32)
+    ssq = tl.zeros((BT, SUB), tl.float32)
+    for s in tl.static_range(NSUB):
+        d = c * (SUB * NSUB) + s * SUB + tl.arange(0, SUB)
+        dm = d < D
+        m2 = tmask[:, None] & dm[None, :]
+        o = tl.load(out_ptr + tok[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+        msum = tl.zeros((BT, SUB), tl.float32)
+        for j in tl.static_range(N):
+            if MODE == 1:
+                v = o
+            else:
+                # hc_post: post[j] * out + sum_i comb[i, j] * streams[i], cast to the model dtype.
+                v = tl.load(post_ptr + tok * N + j, mask=tmask, other=0.0)[:, None] * o
+                for i in tl.static_range(N):
+                    cij = tl.load(comb_ptr + tok * (N * N) + i * N + j, mask=tmask, other=0.0)
+                    si = tl.load(streams_ptr + (tok[:, None] * N + i) * D + d[None, :], mask=m2, other=0.0)
+                    v += cij[:, None] * si.to(tl.float32)
+                v = v.to(dtype).to(tl.float32)
+            if MODE == 2:
+                msum += v
+            else:
+                tl.store(new_streams_ptr + (tok[:, None] * N + j) * D + d[None, :], v.to(dtype), mask=m2)
+                ssq += v * v
+                fp = fn_ptr + kk[:, None] * (N * D) + j * D + d[None, :]
+                f = tl.load(fp, mask=(kk < SSQ)[:, None] & dm[None, :], other=0.0)
+                acc += v[:, None, :] * f[None, :, :]
+        if MODE == 2:
+            mean = (msum / N).to(dtype)
+            tl.store(x_ptr + tok[:, None] * D + d[None, :], mean, mask=m2)
+            mf = mean.to(tl.float32)
+            ssq += mf * mf
+    part = tl.where(kk[None, :] == SSQ, tl.sum(ssq, axis=1)[:, None], tl.sum(acc, axis=2))
+    tl.store(part_ptr + (tok[:, None] * NC + c) * W + kk[None, :], part, mask=tmask[:, None])
+    # Every thread's stores precede the release of the ticket.
+    tl.debug_barrier()
+    ticket = tl.atomic_add(ticket_ptr + tb, 1, sem="acq_rel")
+    if ticket == NC - 1:
+        tl.store(ticket_ptr + tb, 0)
+        _mhc_finish(
+            tok, tmask, kk,
+            fn_ptr, base_ptr, scale_ptr, w_ptr, new_streams_ptr, new_post_ptr, new_comb_ptr, x_ptr, part_ptr,
+            hc_eps, rms_eps, norm_eps, post_mult,
+            D, N, ROWS, MODE, ITERS, BT, NC, NCB, FIN, SK4,
+        )

@@ -1,0 +1,191 @@
+"""Skinny projections for decode steps of 1-64 tokens: `x[M, K] @ dequant(W[N, K]).T`.
+
+At such M a projection is memory-bound, so these kernels aim to read every weight byte once
+at close to HBM bandwidth. Weights stay as the checkpoint stores them (BF16/fp32 `[N, K]`, or
+FP8 e4m3 `[N, K]` with fp32 128x128 block scales) and are never copied or concatenated.
+
+- `skinny_linear`: one projection, split-K when the output has too few tiles to fill the GPU.
+- `skinny_linear_multi`: up to six projections of the same input in one launch (storage
+  dtypes may differ per projection).
+- `gate_up_swiglu`: `silu(min(g, limit)) * clamp(u, -limit, limit)` with both projections
+  streamed by the same programs.
+
+Launch parameters come from `plan_launch`, a deterministic function of the shapes, dtypes
+and device (no autotuning: the kernels are captured in CUDA graphs). Callers may override
+`split_k`, `block_n`, `mode` ("dot" or "gemv") and `split_factor`; `CANDIDATES` names the
+variants worth timing per call site.
+Every entry point is CUDA-graph safe after one eager call (which compiles the kernel and
+creates the split-K tile counters): no host syncs and only static-shape allocations.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from .kernel import MAX_PROJECTIONS, LaunchPlan, launch, tile_counters
+from .reference import gate_up_swiglu_reference, linear_multi_reference, linear_reference
+
+__all__ = [
+    "CANDIDATES", "LaunchPlan", "MAX_ROWS", "gate_up_swiglu", "gate_up_swiglu_reference", "linear_multi_reference",
+    "linear_reference", "plan_launch", "skinny_linear", "skinny_linear_multi", "tile_counters",
+]
+
+MAX_ROWS = 64
+"""Most rows (tokens) one call takes."""
+CPU_SMS = 4
+"""SM count the heuristics assume on CPU (the Triton interpreter), so split-K is exercised on small shapes."""
+CANDIDATES: dict[str, dict] = {
+    "heuristic": dict(),
+    "no-split": dict(split_k=1),
+    "split-half": dict(split_factor=0.5),
+    "split-2x": dict(split_factor=2),
+    "block-n-32": dict(block_n=32),
+    "block-n-128": dict(block_n=128),
+    "gemv": dict(mode="gemv"),
+}
+"""Launch variants worth timing per call site (keyword overrides of every entry point). `split_factor`
+scales the heuristic's split (rounded, at least 1); "gemv" (no tensor cores) applies to calls of at most 8 rows only."""
+_SMS: dict[int | None, int] = {}
+_FLOAT = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cpu":
+        return CPU_SMS
+    if device.index not in _SMS:
+        _SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device.index]
+
+
+def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: str = "cuda", sms: int = 132,
+                gated: bool = False, split_k: int | None = None, block_n: int | None = None,
+                mode: str | None = None, split_factor: float = 1, x_bytes: int = 2,
+                widest_bytes: int | None = None) -> LaunchPlan:
+    """Launch parameters for M rows against weights with output widths `ns` and depth K
+    (`weight_bytes`: the smallest weight element size; `widest_bytes`: the largest, default the same).
+
+    GPU: `tl.dot` with M padded to 16/32/64, BLOCK_K 128 (256 B of BF16 or 128 B of FP8 per weight
+    row and step), BLOCK_N 64; split-K until about 2 programs per SM, keeping at least 4 K steps
+    per split (so the pipeline fills) and the fp32 partial traffic within 1/4 of the weight bytes
+    (partials mostly stay in L2); as many pipeline stages (2-5) as fit about 100 KB of shared
+    memory, so two or more programs share an SM. CPU: the same rules with BLOCK_K 64, 4 "SMs"
+    and 1 K step per split.
+    """
+    gpu = device_type != "cpu"
+    if mode not in (None, "dot", "gemv"):
+        raise ValueError(f"mode must be 'dot' or 'gemv', got {mode!r}")
+    use_dot = mode != "gemv"
+    if not use_dot and M > 8:
+        raise ValueError(f"the gemv variant takes at most 8 rows, got {M}")
+    bm = triton.next_power_of_2(M)
+    if use_dot:
+        bm = max(16, bm)
+    wide = use_dot or bm <= 2  # the gemv product tile is BLOCK_M x BLOCK_K x BLOCK_N registers
+    bk = (128 if wide else 64) if gpu else 64
+    if block_n is None:
+        block_n = 64 if wide else 32
+    elif block_n not in (16, 32, 64, 128):
+        raise ValueError(f"block_n must be 16, 32, 64 or 128, got {block_n}")
+    bn = min(block_n, max(16, triton.next_power_of_2(max(ns))))
+    k_iters = triton.cdiv(K, bk)
+    if split_k is None:
+        tiles = sum(triton.cdiv(n, bn) for n in ns)
+        want = triton.cdiv(2 * sms, tiles)
+        traffic_cap = max(1, K * weight_bytes // (32 * M))
+        split = max(1, round(max(1, min(want, k_iters // (4 if gpu else 1), traffic_cap, 16)) * split_factor))
+    elif split_k < 1:
+        raise ValueError(f"split_k must be positive, got {split_k}")
+    else:
+        split = split_k
+    split = triton.cdiv(k_iters, triton.cdiv(k_iters, min(split, k_iters)))  # no empty splits
+    # Shared memory: one x tile and the weight tile(s) per buffered stage; Triton keeps
+    # num_stages - 1 buffers for mma.sync (BLOCK_M <= 32) and num_stages for wgmma (BLOCK_M 64).
+    per_stage = bm * bk * x_bytes + (2 if gated else 1) * bn * bk * (widest_bytes or weight_bytes)
+    buffers = 100_000 // per_stage
+    stages = max(2, min(5, buffers if bm >= 64 else buffers + 1))
+    return LaunchPlan(bm, bn, bk, split, use_dot, num_warps=8 if (bm >= 64 and gated) else 4, num_stages=stages,
+                      f32_sub_k=(32 if bm <= 16 else 16) if gpu else bk)
+
+
+def _check_x(x: torch.Tensor) -> None:
+    if x.dim() != 2 or x.dtype not in _FLOAT:
+        raise ValueError(f"x must be a 2-D bf16/fp16/fp32 matrix, got {tuple(x.shape)} {x.dtype}")
+    if x.shape[0] > MAX_ROWS:
+        raise ValueError(f"skinny projections take at most {MAX_ROWS} rows, got {x.shape[0]}")
+    if x.stride(1) != 1 and x.shape[1] > 1:
+        raise ValueError("x needs unit stride along K")
+
+
+def _check_weight(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None) -> None:
+    K = x.shape[1]
+    if w.dim() != 2 or w.shape[1] != K or not w.is_contiguous() or w.device != x.device:
+        raise ValueError(f"weight must be a contiguous [N, {K}] matrix on {x.device}, got {tuple(w.shape)}")
+    if w.shape[0] * K >= 2**31:
+        raise ValueError("weights of 2^31 or more elements are not supported")
+    if w.dtype == torch.float8_e4m3fn:
+        grid = (triton.cdiv(w.shape[0], 128), triton.cdiv(K, 128))
+        if s is None or tuple(s.shape) != grid or s.dtype != torch.float32 or not s.is_contiguous():
+            raise ValueError(f"an FP8 weight needs contiguous fp32 block scales of shape {grid}")
+        if s.device != x.device:
+            raise ValueError("scales must be on the weight's device")
+    elif w.dtype not in _FLOAT or s is not None:
+        raise ValueError(f"weight must be bf16/fp16/fp32 without scales or FP8 with scales, got {w.dtype}")
+
+
+def _outputs(x: torch.Tensor, ns: list[int], outs) -> list[torch.Tensor]:
+    M = x.shape[0]
+    if outs is None:
+        return [torch.empty((M, n), dtype=x.dtype, device=x.device) for n in ns]
+    outs = list(outs)
+    if len(outs) != len(ns):
+        raise ValueError(f"{len(ns)} projections but {len(outs)} outputs")
+    for o, n in zip(outs, ns):
+        if tuple(o.shape) != (M, n) or o.device != x.device or o.dtype not in _FLOAT:
+            raise ValueError(f"output must be a float [{M}, {n}] tensor on {x.device}, got {tuple(o.shape)}")
+        if o.stride(1) != 1 and n > 1:
+            raise ValueError("outputs need unit stride along N")
+    return outs
+
+
+def _run(x, projections, outs, split_k, block_n, mode, split_factor=1, up=None, limit=0.0):
+    _check_x(x)
+    projections = list(projections)
+    if not 1 <= len(projections) <= MAX_PROJECTIONS:
+        raise ValueError(f"1 to {MAX_PROJECTIONS} projections per launch, got {len(projections)}")
+    for w, s in projections + ([up] if up is not None else []):
+        _check_weight(x, w, s)
+    ns = [w.shape[0] for w, _ in projections]
+    outs = _outputs(x, ns, outs)
+    if x.shape[0] == 0:
+        return outs
+    sizes = [w.element_size() for w, _ in projections]
+    plan = plan_launch(x.shape[0], ns, x.shape[1], min(sizes), x.device.type, _sm_count(x.device), up is not None,
+                       split_k, block_n, mode, split_factor, x.element_size(), max(sizes))
+    launch(x, [w for w, _ in projections], [s for _, s in projections], outs, plan, up, limit)
+    return outs
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None, split_k: int | None = None, block_n: int | None = None, *,
+                  mode: str | None = None, split_factor: float = 1) -> torch.Tensor:
+    """`x @ dequant(weight).T` in fp32 accumulation, in x's dtype (or written into `out`)."""
+    return _run(x, [(weight, scale_inv)], None if out is None else [out], split_k, block_n, mode, split_factor)[0]
+
+
+def skinny_linear_multi(x: torch.Tensor, projections, outs=None, *, split_k: int | None = None,
+                        block_n: int | None = None, mode: str | None = None,
+                        split_factor: float = 1) -> list[torch.Tensor]:
+    """`[x @ dequant(w).T for w, scale_inv in projections]` (at most 6, equal K) in one launch."""
+    return _run(x, projections, outs, split_k, block_n, mode, split_factor)
+
+
+def gate_up_swiglu(x: torch.Tensor, gate_w: torch.Tensor, gate_s: torch.Tensor | None, up_w: torch.Tensor,
+                   up_s: torch.Tensor | None, limit: float, out: torch.Tensor | None = None, *,
+                   split_k: int | None = None, block_n: int | None = None, mode: str | None = None,
+                   split_factor: float = 1) -> torch.Tensor:
+    """`silu(min(g, limit)) * clamp(u, -limit, limit)`, g = x @ gate.T, u = x @ up.T, in x's dtype."""
+    if up_w.shape != gate_w.shape or up_w.dtype != gate_w.dtype:
+        raise ValueError("gate and up weights must share shape and dtype")
+    return _run(x, [(gate_w, gate_s)], None if out is None else [out], split_k, block_n, mode, split_factor,
+                up=(up_w, up_s), limit=limit)[0]

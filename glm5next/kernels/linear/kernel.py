@@ -1,0 +1,280 @@
+"""Triton kernels of the skinny projections: a decode step's few rows times big weights.
+
+One kernel serves every entry point. A program owns a BLOCK_N slice of one projection's
+output columns for all M rows (padded to BLOCK_M) and one split of the K range; it streams
+its weight tile once along K (unit stride, so loads coalesce and vectorise) and accumulates
+in fp32, either with `tl.dot` (M padded to 16, the GPU default: the weight tiles then travel
+through the multi-stage cp.async shared-memory pipeline) or with a broadcast multiply and sum
+(the "gemv" variant for a handful of rows). bf16/fp16 activations meet bf16/fp16-widened
+weights on the tensor cores; fp32 activations or fp32 weights use tf32x3 (about fp32
+accuracy), fed in small K chunks so the split operands fit in registers. On CPU (the
+interpreter, whose bf16 products are wrong) everything is widened to fp32 first.
+
+FP8 weights are decoded in registers: the raw e4m3 value is widened exactly, multiplied by
+the activations, and the partial product of one K step is scaled by its single 128x128 block
+scale. That holds because BLOCK_N and BLOCK_K divide 128 and tiles start on multiples of
+themselves, so a tile never straddles two scale blocks.
+
+Split-K is deterministic and needs one launch: each split stores its fp32 partial tile,
+bumps a per-tile counter, and the program that arrives last sums every partial in split
+order, applies the epilogue (a cast, or the clamped SwiGLU of the gated variant), writes
+the output and resets the counter to zero for the next launch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_PROJECTIONS = 6
+COUNTER_SLOTS = 1 << 14
+"""Per-device split-K arrival counters: one per output tile of a launch (all zero between launches)."""
+_counters: dict[tuple[str, int | None], torch.Tensor] = {}
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """The launch parameters of one skinny projection call."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    use_dot: bool
+    num_warps: int = 4
+    num_stages: int = 4
+    f32_sub_k: int = 32
+    """K chunk of one fp32 (tf32x3) product inside a BLOCK_K step, bounding its registers."""
+
+
+@triton.jit
+def _mma(xt, wt, F32: tl.constexpr, USE_DOT: tl.constexpr):
+    """[BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] in fp32 accumulation."""
+    if F32:
+        a = xt.to(tl.float32)
+        b = wt.to(tl.float32)
+    else:
+        a = xt
+        b = wt.to(xt.dtype)  # exact for FP8 values; bf16 weights unchanged
+    if USE_DOT:
+        if F32:
+            r = tl.dot(a, b, input_precision="tf32x3")  # ~fp32 accuracy on tensor cores
+        else:
+            r = tl.dot(a, b)
+    else:
+        r = tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+    return r
+
+
+@triton.jit
+def _chunk(x_ptrs, w_ptr, w2_ptr, w_offs, kk, row_ok, col_ok, K, k0, F32: tl.constexpr, TWO: tl.constexpr,
+           USE_DOT: tl.constexpr):
+    """The products of the K chunk starting at k0 with W (and W2 when TWO; else W again, unused)."""
+    k_ok = (k0 + kk) < K
+    xt = tl.load(x_ptrs + k0, mask=row_ok & k_ok[None, :], other=0.0)
+    w_ok = k_ok[:, None] & col_ok
+    part = _mma(xt, tl.load(w_ptr + w_offs + k0, mask=w_ok, other=0.0), F32, USE_DOT)
+    part2 = part
+    if TWO:
+        part2 = _mma(xt, tl.load(w2_ptr + w_offs + k0, mask=w_ok, other=0.0), F32, USE_DOT)
+    return part, part2
+
+
+@triton.jit
+def _accumulate(x_ptr, stride_xm, M, K, w_ptr, s_ptr, w2_ptr, s2_ptr, s_stride, n0, N, it0, n_it,
+                IS_FP8: tl.constexpr, F32: tl.constexpr, TWO: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, F32_SUB: tl.constexpr):
+    """x[:, K range] @ W[n0:n0+BLOCK_N, K range].T (and the same with W2 when TWO), in fp32."""
+    # fp32 products (tf32x3) hold 3 operand copies in registers: feed them F32_SUB K at a time
+    SUB: tl.constexpr = F32_SUB if F32 else BLOCK_K
+    rows = tl.arange(0, BLOCK_M)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    kk = tl.arange(0, SUB)
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + kk[None, :]
+    w_offs = cols[None, :] * K + kk[:, None]  # [SUB, BLOCK_N] view of the row-major W[n, k]
+    row_ok = rows[:, None] < M
+    col_ok = cols[None, :] < N
+    s_row = (n0 // 128) * s_stride
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for i in range(n_it):
+        k0 = (it0 + i) * BLOCK_K
+        part, part2 = _chunk(x_ptrs, w_ptr, w2_ptr, w_offs, kk, row_ok, col_ok, K, k0, F32, TWO, USE_DOT)
+        for c in tl.static_range(SUB, BLOCK_K, SUB):
+            more, more2 = _chunk(x_ptrs, w_ptr, w2_ptr, w_offs, kk, row_ok, col_ok, K, k0 + c, F32, TWO, USE_DOT)
+            part += more
+            if TWO:
+                part2 += more2
+        if IS_FP8:  # one 128x128 scale block per step: BLOCK_N and BLOCK_K divide 128
+            part = part * tl.load(s_ptr + s_row + k0 // 128)
+            if TWO:
+                part2 = part2 * tl.load(s2_ptr + s_row + k0 // 128)
+        acc += part
+        if TWO:
+            acc2 += part2
+    return acc, acc2
+
+
+@triton.jit
+def _finish(acc, acc2, o_ptr, stride_om, n0, M, N, limit, TWO: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Store the tile (after the clamped SwiGLU of gate=acc, up=acc2 when TWO)."""
+    rows = tl.arange(0, BLOCK_M)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    val = acc
+    if TWO:
+        g = tl.minimum(acc, limit)
+        u = tl.minimum(tl.maximum(acc2, -limit), limit)
+        val = g / (1.0 + tl.exp(-g)) * u
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    tl.store(o_ptr + rows[:, None] * stride_om + cols[None, :], val.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, local, pid_k, ws_ptr, cnt_ptr,
+             num_tiles, limit, s_stride, w_ptr, s_ptr, w2_ptr, s2_ptr, o_ptr, stride_om, N,
+             IS_FP8: tl.constexpr, F32: tl.constexpr, TWO: tl.constexpr, SPLIT: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
+             F32_SUB: tl.constexpr):
+    """One program's share of one projection: tile `local` of it, K split `pid_k`."""
+    n0 = local * BLOCK_N
+    it0 = pid_k * ITERS
+    n_it = tl.minimum(ITERS, K_ITERS - it0)
+    acc, acc2 = _accumulate(x_ptr, stride_xm, M, K, w_ptr, s_ptr, w2_ptr, s2_ptr, s_stride, n0, N, it0,
+                            n_it, IS_FP8, F32, TWO, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB)
+    if SPLIT:
+        TILE: tl.constexpr = BLOCK_M * BLOCK_N
+        PARTS: tl.constexpr = 2 if TWO else 1
+        r = tl.arange(0, BLOCK_M)
+        c = tl.arange(0, BLOCK_N)
+        keep = (r[:, None] < M) & (c[None, :] < BLOCK_N)
+        mine = ws_ptr + tile * (PARTS * TILE) + r[:, None] * BLOCK_N + c[None, :]
+        split_stride = num_tiles * (PARTS * TILE)
+        tl.store(mine + pid_k * split_stride, acc, mask=keep)
+        if TWO:
+            tl.store(mine + pid_k * split_stride + TILE, acc2, mask=keep)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == split - 1:
+            tot = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            tot2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in range(split):  # fixed order: the result does not depend on who came last
+                tot += tl.load(mine + s * split_stride, mask=keep, other=0.0, cache_modifier=".cg")
+                if TWO:
+                    tot2 += tl.load(mine + s * split_stride + TILE, mask=keep, other=0.0, cache_modifier=".cg")
+            _finish(tot, tot2, o_ptr, stride_om, n0, M, N, limit, TWO, BLOCK_M, BLOCK_N)
+            tl.store(cnt_ptr + tile, 0)
+    else:
+        _finish(acc, acc2, o_ptr, stride_om, n0, M, N, limit, TWO, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def skinny_kernel(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, ws_ptr, cnt_ptr, num_tiles, limit, s_stride,
+                  up_w, up_s,
+                  w0, s0, o0, so0, N0, T1,
+                  w1, s1, o1, so1, N1, T2,
+                  w2, s2, o2, so2, N2, T3,
+                  w3, s3, o3, so3, N3, T4,
+                  w4, s4, o4, so4, N4, T5,
+                  w5, s5, o5, so5, N5,
+                  NUM: tl.constexpr, FP8_MASK: tl.constexpr, F32_MASK: tl.constexpr, TWO: tl.constexpr,
+                  SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  USE_DOT: tl.constexpr, F32_SUB: tl.constexpr):
+    """Grid (num_tiles, split). Projection p owns tiles [T_p, T_{p+1}) (T_0 = 0, T_NUM = num_tiles);
+    bit p of FP8_MASK / F32_MASK says whether its weight is FP8 / whether it multiplies in fp32.
+    With TWO (one projection only) projection 0 is the gate and up_w/up_s the up weight."""
+    tile = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    if tile < T1:
+        _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile, pid_k, ws_ptr, cnt_ptr, num_tiles,
+                 limit, s_stride, w0, s0, up_w, up_s, o0, so0, N0, FP8_MASK & 1, F32_MASK & 1, TWO, SPLIT,
+                 BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB)
+    if NUM > 1:
+        if (tile >= T1) & (tile < T2):
+            _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T1, pid_k, ws_ptr, cnt_ptr,
+                     num_tiles, limit, s_stride, w1, s1, w1, s1, o1, so1, N1, (FP8_MASK >> 1) & 1,
+                     (F32_MASK >> 1) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB)
+    if NUM > 2:
+        if (tile >= T2) & (tile < T3):
+            _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T2, pid_k, ws_ptr, cnt_ptr,
+                     num_tiles, limit, s_stride, w2, s2, w2, s2, o2, so2, N2, (FP8_MASK >> 2) & 1,
+                     (F32_MASK >> 2) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB)
+    if NUM > 3:
+        if (tile >= T3) & (tile < T4):
+            _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T3, pid_k, ws_ptr, cnt_ptr,
+                     num_tiles, limit, s_stride, w3, s3, w3, s3, o3, so3, N3, (FP8_MASK >> 3) & 1,
+                     (F32_MASK >> 3) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB)
+    if NUM > 4:
+        if (tile >= T4) & (tile < T5):
+            _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T4, pid_k, ws_ptr, cnt_ptr,
+                     num_tiles, limit, s_stride, w4, s4, w4, s4, o4, so4, N4, (FP8_MASK >> 4) & 1,
+                     (F32_MASK >> 4) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB)
+    if NUM > 5:
+        if tile >= T5:
+            _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T5, pid_k, ws_ptr, cnt_ptr,
+                     num_tiles, limit, s_stride, w5, s5, w5, s5, o5, so5, N5, (FP8_MASK >> 5) & 1,
+                     (F32_MASK >> 5) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB)
+
+
+def tile_counters(device: torch.device) -> torch.Tensor:
+    """The device's split-K counters, created (zeroed) on first use, which must precede any capture."""
+    key = (device.type, device.index)
+    buf = _counters.get(key)
+    if buf is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("run a split-K skinny projection once before capturing a CUDA graph: "
+                               "its tile counters are allocated on first use")
+        buf = _counters[key] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
+    return buf
+
+
+def launch(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor | None],
+           outs: list[torch.Tensor], plan: LaunchPlan, up: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+           limit: float = 0.0) -> None:
+    """Run `skinny_kernel` for validated arguments: outs[p] = x @ dequant(weights[p]).T, or with `up`
+    (one projection) outs[0] = swiglu(x @ gate.T, x @ up.T) clamped at `limit`."""
+    M, K = x.shape
+    bm, bn, bk = plan.block_m, plan.block_n, plan.block_k
+    bounds, total = [], 0
+    for w in weights:
+        total += triton.cdiv(w.shape[0], bn)
+        bounds.append(total)
+    k_iters = triton.cdiv(K, bk)
+    iters = triton.cdiv(k_iters, max(1, min(plan.split_k, k_iters)))
+    split = triton.cdiv(k_iters, iters)
+    parts = 2 if up is not None else 1
+    if split > 1:
+        if total > COUNTER_SLOTS:
+            raise ValueError(f"{total} output tiles exceed the {COUNTER_SLOTS} split-K counters; raise block_n")
+        if split * total * parts * bm * bn >= 2**31:
+            raise ValueError("the split-K workspace would need 64-bit offsets; lower split_k")
+        ws = torch.empty(split * total * parts * bm * bn, dtype=torch.float32, device=x.device)
+        cnt = tile_counters(x.device)
+    else:
+        ws = cnt = x
+    on_cpu = x.device.type == "cpu"  # the interpreter multiplies bf16 wrongly: widen everything there
+    fp8_mask = f32_mask = 0
+    s_stride = 1
+    per_proj = []
+    for p in range(MAX_PROJECTIONS):
+        if p < len(weights):
+            w, s, o = weights[p], scales[p], outs[p]
+            if s is not None:
+                fp8_mask |= 1 << p
+                s_stride = s.stride(0)
+            if on_cpu or x.dtype == torch.float32 or (s is None and w.dtype != x.dtype):
+                f32_mask |= 1 << p
+            per_proj += [w, w if s is None else s, o, o.stride(0), w.shape[0]]
+        else:
+            per_proj += [x, x, x, 0, 0]
+        if p < MAX_PROJECTIONS - 1:
+            per_proj.append(bounds[p] if p < len(weights) else total)
+    up_w, up_s = (x, x) if up is None else (up[0], up[0] if up[1] is None else up[1])
+    skinny_kernel[(total, split)](
+        x, x.stride(0), M, K, k_iters, iters, split, ws, cnt, total, float(limit), s_stride, up_w, up_s, *per_proj,
+        NUM=len(weights), FP8_MASK=fp8_mask, F32_MASK=f32_mask, TWO=up is not None, SPLIT=split > 1,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_DOT=plan.use_dot, F32_SUB=min(plan.f32_sub_k, bk),
+        num_warps=plan.num_warps, num_stages=plan.num_stages)

@@ -1,0 +1,242 @@
+"""The specialized decode executor over the stock backbone: one routing decision per step, then
+every layer's stages in one loop.
+
+`SpecializedDecode` is built once the weights are loaded; it reads the backbone and never
+modifies it. For a captured decode step of at most 64 tokens (a pure decode, or a uniform verify
+of q tokens per request) `plan()` returns a `Step`, and `run()` walks every layer: the fused mHC
+boundary between sublayers, and for each sublayer the stage the policy picks at this token count
+or else the stock module. Every other step runs the stock forward.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..model.backbone import Glm5NextModel
+from ..model.mhc import hc_contract, hc_expand, hc_post
+from ..model.routing import routed
+from ..runtime.metadata import AttnMetadata, CUDAGraphMode, ForwardContext
+from .boundary import BoundaryStage
+from .dense_mlp import DenseMlpStage
+from .linear import ProjectionRoutes
+from .logits import LogitsStage
+from .policy import MAX_TOKENS, Policy
+
+logger = logging.getLogger(__name__)
+
+
+class Step:
+    """A planned step: q tokens per request, the positions and the per-layer metadata."""
+
+    def __init__(self, q: int, positions: torch.Tensor, metadata: dict[str, AttnMetadata], ctx: ForwardContext,
+                 cache) -> None:
+        self.q, self.positions, self.metadata, self.ctx, self.cache = q, positions, metadata, ctx, cache
+
+    @property
+    def tokens(self) -> int:
+        return self.positions.shape[-1]
+
+
+def is_decode(md: AttnMetadata, q: int, b: int) -> bool:
+    """Whether one layer's metadata is a pure decode (q = 1) or a uniform verify of b tokens.
+
+    Captured graphs pad whole requests, so every row of a verify holds q tokens. Verify rows may be
+    filed as decodes or as short prefills of q tokens each; both are uniform verify steps.
+    """
+    if q == 1:
+        return (not md.num_prefills and not md.num_spec_decodes
+                and md.num_decode_tokens == md.num_decodes == b)
+    if md.num_prefills:
+        return not md.num_decodes and md.num_prefills * q == md.num_prefill_tokens == b
+    return md.num_decode_tokens == md.num_decodes * q == b
+
+
+class _LogOnce:
+    def __init__(self) -> None:
+        self.seen: set[str] = set()
+
+    def __call__(self, message: str, *args) -> None:
+        text = message % args
+        if text not in self.seen:
+            self.seen.add(text)
+            logger.info(text)
+
+
+class LayerStages:
+    """The stages of one decoder layer's decode, shared by the trunk and the MTP draft layer."""
+
+    policy: Policy
+    batches: list[int]
+
+    def _build_stages(self, layers) -> None:
+        config = self.text_config
+        self.boundary_stage = BoundaryStage(config) if self.policy.enabled("boundary") else None
+        if self.boundary_stage is not None:
+            eps = {n.eps for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)}
+            if len(eps) != 1:
+                logger.warning("specialized decode: mixed norm eps %s, no fused boundary", sorted(eps))
+                self.boundary_stage = None
+        self.projections = ProjectionRoutes(layers, self.policy, self.backbone.embed_tokens.dtype)
+        self.dense = {}
+        if self.policy.enabled("dense_mlp"):
+            self.dense = {layer.layer_idx: DenseMlpStage(layer.mlp) for layer in layers
+                          if not layer.mlp_is_moe and DenseMlpStage.supports(layer.mlp)}
+        self.shared = {}
+        if self.policy.enabled("shared_expert"):
+            if not config.norm_topk_prob:
+                logger.warning("specialized decode: unsupported routing (unnormalized top-k), no MoE stages")
+            else:
+                self.shared = {layer.layer_idx: DenseMlpStage(layer.mlp.shared_experts) for layer in layers
+                               if layer.mlp_is_moe and DenseMlpStage.supports(layer.mlp.shared_experts)}
+
+    def partial(self, tokens: int) -> bool:
+        """Whether sublayers leave their output TP-partial for a fused all-reduce boundary (never on one GPU)."""
+        return False
+
+    def routes(self, tokens: int) -> dict:
+        """The stock-module calls this step sends to stages: projections and shared experts."""
+        table = self.projections.table(tokens)
+        if self.policy("shared_expert", tokens):
+            for idx, stage in self.shared.items():
+                table[id(self.layers_by_idx[idx].mlp.shared_experts)] = stage
+        return table
+
+    def attention(self, layer, x: torch.Tensor, step: Step) -> tuple[torch.Tensor, bool]:
+        """The attention output and whether it is still TP-partial (stock module; projections routed)."""
+        return layer.attention(x, step.ctx, step.cache), self.partial(x.shape[0])
+
+    def mlp(self, layer, x: torch.Tensor, step: Step) -> tuple[torch.Tensor, bool]:
+        """The FFN output and whether it is still TP-partial."""
+        dense = self.dense.get(layer.layer_idx)
+        if dense is not None and self.policy("dense_mlp", x.shape[0]):
+            return dense(x), self.partial(x.shape[0])
+        return layer.ffn(x, step.ctx), self.partial(x.shape[0])
+
+    def boundary(self, hc, norm, out, streams, post, comb):
+        """The previous sublayer's mHC post, then the next sublayer's pre and its norm."""
+        if self.boundary_stage is not None and self.policy("boundary", out.shape[0]):
+            return self.boundary_stage(out, streams, post, comb, hc, norm)
+        streams = hc_post(out, streams, post, comb)
+        x, post, comb = hc.pre(streams)
+        return streams, post, comb, norm(x)
+
+    def reduced_boundary(self, hc, norm, out, streams, post, comb):
+        """`boundary` of a TP-partial sublayer output (tensor parallelism is not built yet)."""
+        raise NotImplementedError("a TP-partial boundary needs tensor parallelism")
+
+
+class SpecializedDecode(LayerStages):
+    """Built once the weights are loaded. Reads the backbone, never modifies it."""
+
+    def __init__(self, backbone: Glm5NextModel, policy: Policy, capture_sizes, q: int = 1) -> None:
+        self.backbone = backbone
+        self.text_config = backbone.config
+        self.policy = policy
+        self.q = q
+        self.layers = list(backbone.layers)
+        self.layers_by_idx = {layer.layer_idx: layer for layer in self.layers}
+        self.batches = sorted(b for b in capture_sizes if b <= MAX_TOKENS and b % q == 0)
+        self._log = _LogOnce()
+        self._build_stages(self.layers)
+        self.head = None
+        self.build_logits()
+        self.cache = None
+        self.planned_steps = 0
+        """Steps `plan()` accepted (captures, or steps declared as captured)."""
+
+    # ------------------------------------------------------------------ logits
+    def build_logits(self) -> None:
+        """The LM head projection at the row counts the policy gives it (a BF16 head only)."""
+        self.head = None
+        if not self.policy.enabled("logits_head"):
+            return
+        weight = self.backbone.lm_head.weight
+        if weight.dtype != torch.bfloat16 or self.backbone.lm_head.is_fp8:
+            logger.warning("specialized decode: the LM head is %s, not BF16: stock head", weight.dtype)
+            return
+        self.head = LogitsStage(self.backbone.lm_head)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [rows, vocab] of post-norm hidden states, through the head stage where planned."""
+        choice = self.policy("logits_head", hidden.shape[0])
+        if self.head is not None and choice is not None and hidden.is_contiguous():
+            return self.head(hidden, choice)
+        return self.backbone.compute_logits(hidden)
+
+    def prepare_kv(self, cache) -> None:
+        """Bind the cache tensors the runner allocated (again whenever it reallocates them)."""
+        self.cache = cache
+
+    # -------------------------------------------------------------------- plan
+    def plan(self, ctx: ForwardContext, num_tokens: int) -> Step | None:
+        """This step's plan, or None to run the stock forward.
+
+        Stock runs for: steps outside a graph capture (warm-ups included, so every stock kernel runs
+        before its capture); graph modes other than full; token counts without a planned size (above
+        64 or not a multiple of q); backbones that collect auxiliary hidden states; steps with a
+        prompt row; speculative steps whose requests do not all verify q tokens. Every predicate reads
+        only the forward context and the token count, identical on every rank.
+        """
+        b = num_tokens
+        if not ctx.capturing:
+            return None
+        if ctx.cudagraph_mode != CUDAGraphMode.FULL:
+            self._log("specialized decode skips a %s-mode %d-token capture", ctx.cudagraph_mode.value, b)
+            return None
+        if b not in self.batches:
+            self._log("specialized decode skips a %d-token capture (planned sizes %s)", b, self.batches)
+            return None
+        if self.backbone.aux_hidden_state_layers:
+            self._log("specialized decode skips captures: aux layers %s", self.backbone.aux_hidden_state_layers)
+            return None
+        rows = list(ctx.attn_metadata.values())
+        if not rows:
+            return None
+        q = self.q if any(md.num_spec_decodes for md in rows) else 1
+        bad = next((md for md in rows if not is_decode(md, q, b)), None)
+        if b % q or bad is not None:
+            fields = ("num_prefills", "num_decodes", "num_decode_tokens", "num_spec_decodes", "num_spec_decode_tokens")
+            self._log("specialized decode skips a %d-token capture (q=%d): %s", b, q,
+                      {f: getattr(bad, f) for f in fields} if bad is not None else "not a multiple of q")
+            return None
+        self._log("specialized decode plans %d-token steps", b)
+        self.planned_steps += 1
+        return Step(q, ctx.positions, ctx.attn_metadata, ctx, self.cache)
+
+    # --------------------------------------------------------------------- run
+    def layer(self, layer, x, partial, streams, post, comb, step: Step):
+        """`DecoderLayer.forward` for a planned step; `x` is the previous sublayer's output (or the
+        embeddings before layer 0). Returns the next state, or the final hidden states after the last layer."""
+        if post is None:
+            if self.boundary_stage is not None and self.policy("boundary", x.shape[0]):
+                streams, post, comb, x = self.boundary_stage.first(x, layer.attn_hc, layer.input_layernorm)
+            else:
+                streams = hc_expand(x, self.text_config.hc_mult)
+                x, post, comb = layer.attn_hc.pre(streams)
+                x = layer.input_layernorm(x)
+        else:
+            bound = self.reduced_boundary if partial else self.boundary
+            streams, post, comb, x = bound(layer.attn_hc, layer.input_layernorm, x, streams, post, comb)
+        x, partial = self.attention(layer, x, step)
+        bound = self.reduced_boundary if partial else self.boundary
+        streams, post, comb, x = bound(layer.ffn_hc, layer.post_attention_layernorm, x, streams, post, comb)
+        x, partial = self.mlp(layer, x, step)
+        if layer is self.layers[-1]:
+            if self.boundary_stage is not None and self.policy("boundary", x.shape[0]):
+                return self.boundary_stage.last(x, streams, post, comb, self.backbone.norm), False, None, None, None
+            return self.backbone.norm(hc_contract(hc_post(x, streams, post, comb))), False, None, None, None
+        return x, partial, streams, post, comb
+
+    def run(self, step: Step, input_ids: torch.Tensor) -> torch.Tensor:
+        """Normalized hidden states [tokens, D] of a planned step."""
+        x = self.backbone.embed(input_ids)
+        state = (False, None, None, None)
+        with routed(self.routes(step.tokens)):
+            try:
+                for layer in self.layers:
+                    x, *state = self.layer(layer, x, *state, step)
+            finally:
+                self.projections.reset()
+        return x

@@ -1,0 +1,117 @@
+"""Skinny projections: the stock linears of the KDA and DSA modules, routed through the Triton
+GEMV kernels during planned steps.
+
+"grouped" runs the projections one sublayer applies to the same input (KDA: q|k|v|b|f_a|g_a;
+DSA: q_a|kv_a|indexer wk) in one launch, and the rest one launch each; "single" runs every
+projection in its own launch. The weights stay where the backbone keeps them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import DSA, KDA
+from ..model.linear import Linear
+from ..model.params import FP8_DTYPE
+
+KDA_GROUP = ("q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj", "g_a_proj")
+KDA_SINGLES = ("f_b_proj", "g_b_proj", "o_proj")
+DSA_GROUP = ("q_a_proj", "kv_a_proj_with_mqa", "indexer.wk")
+DSA_SINGLES = ("q_b_proj", "o_proj", "indexer.wq_b")
+STAGE_OF = {KDA: "kda_proj", DSA: "dsa_proj"}
+
+
+def _get(module, path: str):
+    for part in path.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def routable(linear: Linear, dtype: torch.dtype) -> bool:
+    """FP8 weights with block scales, or weights stored in the model's dtype `dtype` (fp32-kept
+    weights of a bf16 model stay stock: the stock path rounds them to bf16 first)."""
+    if linear.weight.dtype == FP8_DTYPE:
+        return linear.weight_scale_inv is not None
+    return linear.weight.dtype == dtype
+
+
+class SingleRoute:
+    """One projection, one launch."""
+
+    def __init__(self, linear: Linear) -> None:
+        self.linear = linear
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        from ..kernels.linear import skinny_linear
+
+        return skinny_linear(x, self.linear.weight, self.linear.weight_scale_inv)
+
+
+class GroupRoute:
+    """Projections of one input in one launch: the first member called with a new input runs them
+    all; the others return their share of that launch."""
+
+    def __init__(self, members: list[Linear]) -> None:
+        self.members = members
+        self.projections = [(m.weight, m.weight_scale_inv) for m in members]
+        self._x: torch.Tensor | None = None
+        self._outs: list[torch.Tensor] = []
+
+    def member(self, i: int):
+        return lambda x: self._get(i, x)
+
+    def _get(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        if self._x is not x:
+            from ..kernels.linear import skinny_linear_multi
+
+            self._outs = skinny_linear_multi(x, self.projections)
+            self._x = x
+        return self._outs[i]
+
+    def reset(self) -> None:
+        self._x, self._outs = None, []
+
+
+class ProjectionRoutes:
+    """Per token count, the routing table of every KDA and DSA projection the policy sends to kernels."""
+
+    def __init__(self, layers, policy, dtype: torch.dtype) -> None:
+        self.policy = policy
+        self.groups: dict[str, list[GroupRoute]] = {"kda_proj": [], "dsa_proj": []}
+        self.singles: dict[str, list[Linear]] = {"kda_proj": [], "dsa_proj": []}
+        self.members: dict[str, list[Linear]] = {"kda_proj": [], "dsa_proj": []}
+        for layer in layers:
+            stage = STAGE_OF[layer.layer_kind]
+            if not policy.enabled(stage):
+                continue
+            attn = layer.self_attn
+            group_names, single_names = (KDA_GROUP, KDA_SINGLES) if layer.layer_kind == KDA else (DSA_GROUP, DSA_SINGLES)
+            group = [_get(attn, n) for n in group_names]
+            if all(routable(m, dtype) for m in group) and len({m.weight.dtype for m in group}) == 1:
+                self.groups[stage].append(GroupRoute(group))
+            else:
+                self.singles[stage] += [m for m in group if routable(m, dtype)]
+            self.singles[stage] += [m for m in (_get(attn, n) for n in single_names) if routable(m, dtype)]
+            self.members[stage] += [m for m in group + [_get(attn, n) for n in single_names] if routable(m, dtype)]
+
+    def table(self, tokens: int) -> dict:
+        """Module id -> replacement call for a `tokens`-token planned step."""
+        table = {}
+        for stage in ("kda_proj", "dsa_proj"):
+            choice = self.policy(stage, tokens)
+            if choice == "grouped":
+                for g in self.groups[stage]:
+                    for i, m in enumerate(g.members):
+                        table[id(m)] = g.member(i)
+                for m in self.singles[stage]:
+                    table[id(m)] = SingleRoute(m)
+            elif choice == "single":
+                for m in self.members[stage]:
+                    table[id(m)] = SingleRoute(m)
+        return table
+
+    def reset(self) -> None:
+        """Drop the group outputs of the finished step."""
+        for groups in self.groups.values():
+            for g in groups:
+                g.reset()

@@ -1,0 +1,117 @@
+"""The measured policy: for each stage and captured token count, which choice runs (or stock).
+
+A policy file is JSON:
+
+    {"gpu": "NVIDIA H200", "measured": "...", "tables": {"boundary": {"1": "fused", "2": "fused"}, ...}}
+
+A stage missing from `tables`, a token count missing from a stage's table, or the
+choice "stock" all mean: the stock module runs. The tables shipped in
+`policies/` are written by `glm5next tune-policy`, which measures every choice
+of every stage at every token count on the GPU at hand; a user file given to
+the engine replaces them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+MAX_TOKENS = 64
+"""The largest planned step."""
+
+STOCK = "stock"
+
+STAGES: dict[str, tuple[str, ...]] = {
+    "boundary": ("fused",),
+    "kda_proj": ("grouped", "single"),
+    "dsa_proj": ("grouped", "single"),
+    "dense_mlp": ("fused",),
+    "shared_expert": ("fused",),
+    "logits_head": ("gemv", "splitk"),
+}
+"""Every implemented stage and its choices (besides stock)."""
+
+POLICY_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "policies")
+
+
+class PolicyError(ValueError):
+    """A policy file or table that names something that does not exist."""
+
+
+def gpu_slug(name: str) -> str:
+    """The shipped policy's file stem for a GPU name: 'NVIDIA H200' -> 'nvidia-h200'."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+class Policy:
+    """`policy(stage, tokens)` -> the choice for that token count, or None (stock)."""
+
+    def __init__(self, tables: dict | None = None, source: str = "<tables>") -> None:
+        self.source = source
+        self.tables: dict[str, dict[int, str]] = {}
+        if not isinstance(tables or {}, dict):
+            raise PolicyError(f"{source}: 'tables' must be an object of stage -> {{tokens: choice}}")
+        for stage, table in (tables or {}).items():
+            if stage not in STAGES:
+                raise PolicyError(f"{source}: unknown stage {stage!r} (stages: {', '.join(STAGES)})")
+            if not isinstance(table, dict):
+                raise PolicyError(f"{source}: stage {stage!r} must map token counts to choices")
+            rows = {}
+            for tokens, choice in table.items():
+                n = _token_count(tokens, f"{source}: stage {stage!r}")
+                if choice == STOCK:
+                    continue
+                if choice not in STAGES[stage]:
+                    raise PolicyError(f"{source}: stage {stage!r} at {n} tokens: unknown choice {choice!r} "
+                                      f"(choices: {', '.join(STAGES[stage] + (STOCK,))})")
+                rows[n] = choice
+            self.tables[stage] = dict(sorted(rows.items()))
+
+    def __call__(self, stage: str, tokens: int) -> str | None:
+        if stage not in STAGES:
+            raise PolicyError(f"unknown stage {stage!r}")
+        return self.tables.get(stage, {}).get(tokens)
+
+    def enabled(self, stage: str) -> bool:
+        """Whether the stage runs at any token count."""
+        return bool(self.tables.get(stage))
+
+    def tokens(self, stage: str, choice: str) -> set[int]:
+        """The token counts at which `stage` runs `choice`."""
+        return {n for n, c in self.tables.get(stage, {}).items() if c == choice}
+
+    def to_dict(self, **header) -> dict:
+        return {**header, "tables": {s: {str(n): c for n, c in t.items()} for s, t in self.tables.items()}}
+
+    @classmethod
+    def from_file(cls, path: str) -> "Policy":
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except OSError as e:
+            raise PolicyError(f"cannot read the policy file {path}: {e.strerror}") from None
+        except ValueError as e:
+            raise PolicyError(f"{path} is not valid JSON: {e}") from None
+        if not isinstance(data, dict) or "tables" not in data:
+            raise PolicyError(f"{path}: a policy file is an object with a 'tables' entry")
+        return cls(data["tables"], source=path)
+
+    @classmethod
+    def for_gpu(cls, name: str) -> "Policy | None":
+        """The shipped policy for the GPU called `name`, or None where none ships."""
+        path = os.path.join(POLICY_DIR, gpu_slug(name) + ".json")
+        return cls.from_file(path) if os.path.exists(path) else None
+
+    def __repr__(self) -> str:
+        return f"Policy({self.source}: {', '.join(f'{s}@{sorted(t)}' for s, t in self.tables.items() if t)})"
+
+
+def _token_count(value, where: str) -> int:
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise PolicyError(f"{where}: token count {value!r} is not an integer") from None
+    if str(n) != str(value).strip() or not 1 <= n <= MAX_TOKENS:
+        raise PolicyError(f"{where}: token count {value!r} must be an integer in [1, {MAX_TOKENS}]")
+    return n

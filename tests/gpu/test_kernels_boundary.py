@@ -1,0 +1,101 @@
+"""On a GPU: the fused mHC boundary at the real width (D = 4096, n = 4, bf16) against its
+reference, and captured in a CUDA graph and replayed with new inputs ≡ eager.
+
+Run with `TRITON_INTERPRET=0` (tests/conftest.py selects the interpreter otherwise).
+`pytest -s` prints the time per boundary inside a CUDA graph.
+"""
+
+import os
+
+import pytest
+import torch
+
+from glm5next.config import MHC_POST_MULT
+from glm5next.kernels.boundary import mhc_boundary, mhc_first, mhc_last
+from glm5next.kernels.boundary import reference as ref
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs TRITON_INTERPRET=0"),
+]
+
+D, N = 4096, 4
+TOKENS = [1, 2, 4, 8, 16, 24, 32, 48, 64]
+KW = dict(hc_eps=1e-6, rms_eps=1e-5, norm_eps=1e-5, sinkhorn_iters=20, post_mult=MHC_POST_MULT)
+
+
+def _mixer(g):
+    w = (2 + N) * N
+    fn = (torch.randn(w, N * D, generator=g) * 0.015).cuda()
+    base = (torch.randn(w, generator=g) * 0.5).cuda()
+    scale = (torch.rand(3, generator=g) + 0.5).cuda()
+    norm_w = (1 + 0.1 * torch.randn(D, generator=g)).to(torch.bfloat16).cuda()
+    return fn, base, scale, norm_w
+
+
+def _inputs(T, g, mixer):
+    """A sublayer output, streams, and the (post, comb) weights those streams would get."""
+    out = torch.randn(T, D, generator=g).to(torch.bfloat16).cuda()
+    streams = torch.randn(T, N, D, generator=g).to(torch.bfloat16).cuda()
+    fn, base, scale, _ = mixer
+    _, post, comb = ref.hc_weights(streams, fn, base, scale, hc_eps=KW["hc_eps"], rms_eps=KW["rms_eps"],
+                                   sinkhorn_iters=KW["sinkhorn_iters"], post_mult=KW["post_mult"])
+    return out, streams, post.contiguous(), comb.contiguous()
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("T", TOKENS)
+def test_boundary_first_last_match_reference(T):
+    g = torch.Generator().manual_seed(T)
+    mixer, nxt = _mixer(g), _mixer(g)
+    out, streams, post, comb = _inputs(T, g, mixer)
+    got = mhc_boundary(out, streams, post, comb, *nxt, **KW)
+    want = ref.mhc_boundary(out, streams, post, comb, *nxt, **KW)
+    torch.testing.assert_close(got[0].float(), want[0].float(), rtol=8e-3, atol=1e-2)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got[2], want[2], rtol=1e-3, atol=1e-4)
+    assert _rel(got[3], want[3]) <= 2e-2
+    first = mhc_first(out, *nxt, **KW)
+    first_ref = ref.mhc_first(out, *nxt, **KW)
+    assert torch.equal(first[0], first_ref[0])
+    torch.testing.assert_close(first[1], first_ref[1], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(first[2], first_ref[2], rtol=1e-3, atol=1e-4)
+    assert _rel(first[3], first_ref[3]) <= 2e-2
+    hidden = mhc_last(out, streams, post, comb, nxt[3], norm_eps=KW["norm_eps"])
+    assert _rel(hidden, ref.mhc_last(out, streams, post, comb, nxt[3], norm_eps=KW["norm_eps"])) <= 2e-2
+
+
+@pytest.mark.parametrize("T", [1, 3, 8, 64])
+def test_graph_replay_matches_eager(T):
+    g = torch.Generator().manual_seed(100 + T)
+    mixer, nxt = _mixer(g), _mixer(g)
+    static = _inputs(T, g, mixer)
+    emb = static[0].clone()
+
+    def step():
+        b = mhc_boundary(*static, *nxt, **KW)
+        f = mhc_first(emb, *nxt, **KW)
+        h = mhc_last(*static, nxt[3], norm_eps=KW["norm_eps"])
+        return b, f, h
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # warm-up: compiles the kernel and allocates the ticket counters
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for _ in range(4):
+        fresh = _inputs(T, g, mixer)
+        for dst, src in zip(static, fresh):
+            dst.copy_(src)
+        emb.copy_(torch.randn(T, D, generator=g).to(torch.bfloat16))
+        graph.replay()
+        eager = step()
+        torch.cuda.synchronize()
+        for a, b in zip(captured[0] + captured[1] + (captured[2],), eager[0] + eager[1] + (eager[2],)):
+            assert torch.equal(a, b)

@@ -1,0 +1,192 @@
+"""The fused mHC boundary kernels (Triton interpreter) against their references and the stock
+modules (`HyperConnection.pre`, `hc_post`, `rms_norm`, `hc_expand`, `hc_contract`)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from glm5next.config import MHC_POST_MULT
+from glm5next.kernels import boundary as fused
+from glm5next.kernels.boundary import reference as ref
+from glm5next.model.mhc import HyperConnection, hc_contract, hc_expand, hc_post
+from glm5next.model.norm import rms_norm
+from glm5next.model.params import install_random, set_param
+
+N = 4
+HC_EPS, RMS_EPS, NORM_EPS, ITERS = 1e-6, 1e-5, 1e-5, 20
+KW = dict(hc_eps=HC_EPS, rms_eps=RMS_EPS, norm_eps=NORM_EPS, sinkhorn_iters=ITERS, post_mult=MHC_POST_MULT)
+SIZES = [(1, 64), (3, 100), (7, 130)]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _stock_hc(D, seed):
+    """A stock HyperConnection with seeded fp32 parameters (scale made large enough to matter)."""
+    cfg = SimpleNamespace(hc_mult=N, hidden_size=D, hc_eps=HC_EPS, rms_norm_eps=RMS_EPS, hc_sinkhorn_iters=ITERS)
+    hc = HyperConnection(cfg)
+    install_random(hc.tensor_specs("hc"), torch.float32, seed=seed, std=1.0 / (N * D) ** 0.5)
+    set_param(hc, "base", hc.base * 20)
+    set_param(hc, "scale", torch.tensor([1.5, 0.7, 2.0]))
+    return hc
+
+
+def _case(T, D, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    hc_prev, hc = _stock_hc(D, seed), _stock_hc(D, seed + 1)
+    streams = torch.randn(T, N, D, generator=g).to(dtype)
+    _, post, comb = hc_prev.weights(streams)
+    out = torch.randn(T, D, generator=g).to(dtype)
+    norm_w = (1 + 0.2 * torch.randn(D, generator=g)).to(dtype)
+    return out, streams, post, comb, hc, norm_w
+
+
+def _mixer(hc):
+    return hc.fn, hc.base, hc.scale
+
+
+def _nan_buffers(T, D, dtype):
+    f = float("nan")
+    return dict(
+        new_streams=torch.full((T, N, D), f, dtype=dtype), new_post=torch.full((T, N), f),
+        new_comb=torch.full((T, N, N), f), x=torch.full((T, D), f, dtype=dtype),
+    )
+
+
+def _close(got, want, tol):
+    """Elementwise `|got - want| <= tol * max|want|` (relative to the tensor's scale)."""
+    got, want = got.float(), want.float()
+    assert torch.isfinite(got).all()
+    err = (got - want).abs().max().item()
+    assert err <= tol * want.abs().max().item(), err
+
+
+def _check_weights_and_x(got, streams, hc, norm_w, dtype):
+    """`got` = (post, comb, x) against the stock pre + norm applied to `streams`."""
+    collapsed, post, comb = hc.pre(streams)
+    x = rms_norm(collapsed, norm_w, NORM_EPS)
+    tight = dtype == torch.float32
+    _close(got[0], post, 1e-5)
+    _close(got[1], comb, 1e-5)
+    # bf16: the interpreter truncates instead of rounding (collapse, y and weight * y).
+    _close(got[2], x, 1e-5 if tight else 3 * 2.0**-7)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("T,D", SIZES)
+def test_boundary_matches_reference_and_stock(T, D, dtype):
+    out, streams, post, comb, hc, norm_w = _case(T, D, dtype, seed=T * 1000 + D)
+    bufs = _nan_buffers(T, D, dtype)
+    got = fused.mhc_boundary(out, streams, post, comb, *_mixer(hc), norm_w, **KW, **bufs)
+    assert all(g is b for g, b in zip(got, bufs.values()))
+    want = ref.mhc_boundary(out, streams, post, comb, *_mixer(hc), norm_w, **KW)
+    stock_streams = hc_post(out, streams, post, comb)
+    assert torch.equal(want[0], stock_streams)
+    _close(got[0], stock_streams, 1e-6 if dtype == torch.float32 else 2.0**-7)
+    # The weights and x of the kernel's own new streams, through the stock modules.
+    _check_weights_and_x(got[1:], got[0], hc, norm_w, dtype)
+    if dtype == torch.float32:
+        for g, w in zip(got, want):
+            _close(g, w, 1e-5)
+    else:
+        _close(got[1], want[1], 5e-3)
+        _close(got[2], want[2], 5e-3)
+        _close(got[3], want[3], 4 * 2.0**-7)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("T,D", SIZES)
+def test_first_matches_reference_and_stock(T, D, dtype):
+    emb, _, _, _, hc, norm_w = _case(T, D, dtype, seed=7 + T + D)
+    bufs = _nan_buffers(T, D, dtype)
+    got = fused.mhc_first(emb, *_mixer(hc), norm_w, **KW, streams=bufs["new_streams"], post=bufs["new_post"],
+                          comb=bufs["new_comb"], x=bufs["x"])
+    assert torch.equal(got[0], hc_expand(emb, N))
+    _check_weights_and_x(got[1:], got[0], hc, norm_w, dtype)
+    want = ref.mhc_first(emb, *_mixer(hc), norm_w, **KW)
+    for g, w in zip(got, want):
+        _close(g, w, 1e-5 if dtype == torch.float32 else 3 * 2.0**-7)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("T,D", SIZES)
+def test_last_matches_reference_and_stock(T, D, dtype):
+    out, streams, post, comb, _, norm_w = _case(T, D, dtype, seed=11 + T + D)
+    hidden = torch.full((T, D), float("nan"), dtype=dtype)
+    got = fused.mhc_last(out, streams, post, comb, norm_w, norm_eps=NORM_EPS, hidden=hidden)
+    assert got is hidden
+    stock = rms_norm(hc_contract(hc_post(out, streams, post, comb)), norm_w, NORM_EPS)
+    want = ref.mhc_last(out, streams, post, comb, norm_w, norm_eps=NORM_EPS)
+    assert torch.equal(want, stock)
+    _close(got, stock, 1e-5 if dtype == torch.float32 else 3 * 2.0**-7)
+
+
+@pytest.mark.parametrize("block_t,chunk", [(1, 32), (2, 16), (8, 16)])
+def test_many_programs_and_token_blocks(block_t, chunk):
+    """Forced small tiles: several token blocks, many chunks, a multi-step partial reduction."""
+    T, D = 7, 130
+    out, streams, post, comb, hc, norm_w = _case(T, D, torch.float32, seed=3)
+    got = fused.mhc_boundary(out, streams, post, comb, *_mixer(hc), norm_w, **KW, block_t=block_t, chunk=chunk)
+    want = ref.mhc_boundary(out, streams, post, comb, *_mixer(hc), norm_w, **KW)
+    for g, w in zip(got, want):
+        _close(g, w, 1e-5)
+    hidden = fused.mhc_last(out, streams, post, comb, norm_w, norm_eps=NORM_EPS, block_t=block_t, chunk=chunk)
+    _close(hidden, ref.mhc_last(out, streams, post, comb, norm_w, norm_eps=NORM_EPS), 1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_register_sinkhorn_of_the_gpu_path(monkeypatch, dtype):
+    """The GPU runs n = 4 Sinkhorn as 16 register values; check that path here too."""
+    monkeypatch.setattr(fused, "SINKHORN_IN_REGISTERS", True)
+    T, D = 3, 100
+    out, streams, post, comb, hc, norm_w = _case(T, D, dtype, seed=5)
+    got = fused.mhc_boundary(out, streams, post, comb, *_mixer(hc), norm_w, **KW)
+    want = ref.mhc_boundary(out, streams, post, comb, *_mixer(hc), norm_w, **KW)
+    for g, w in zip(got, want):
+        _close(g, w, 1e-5 if dtype == torch.float32 else 3 * 2.0**-7)
+    first = fused.mhc_first(out, *_mixer(hc), norm_w, **KW)
+    for g, w in zip(first, ref.mhc_first(out, *_mixer(hc), norm_w, **KW)):
+        _close(g, w, 1e-5 if dtype == torch.float32 else 3 * 2.0**-7)
+
+
+def test_replay_is_identical_and_tickets_reset():
+    out, streams, post, comb, hc, norm_w = _case(5, 100, torch.bfloat16, seed=5)
+    args = (out, streams, post, comb, *_mixer(hc), norm_w)
+    first = fused.mhc_boundary(*args, **KW, block_t=2, chunk=32)
+    assert not fused._tickets(out.device).any()
+    second = fused.mhc_boundary(*args, **KW, block_t=2, chunk=32)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    assert not fused._tickets(out.device).any()
+
+
+def test_new_streams_may_not_alias_streams():
+    out, streams, post, comb, hc, norm_w = _case(3, 130, torch.float32, seed=9)
+    with pytest.raises(ValueError):
+        fused.mhc_boundary(out, streams, post, comb, *_mixer(hc), norm_w, **KW, new_streams=streams)
+
+
+def test_perturbing_one_stream_changes_only_its_token():
+    T, D = 3, 100
+    out, streams, post, comb, hc, norm_w = _case(T, D, torch.float32, seed=13)
+    base = fused.mhc_boundary(out, streams, post, comb, *_mixer(hc), norm_w, **KW)
+    bumped = streams.clone()
+    bumped[1, 2, 17] += 1.0
+    moved = fused.mhc_boundary(out, bumped, post, comb, *_mixer(hc), norm_w, **KW)
+    for a, b in zip(base, moved):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[2], b[2])
+        assert not torch.equal(a[1], b[1])
+
+
+def test_two_streams_use_the_generic_sinkhorn():
+    """n = 2 (the tile Sinkhorn path; n = 4 has a register-resident one)."""
+    T, D, n = 3, 40, 2
+    g = torch.Generator().manual_seed(17)
+    fn = torch.randn((2 + n) * n, n * D, generator=g) / (n * D) ** 0.5
+    base, scale = torch.randn((2 + n) * n, generator=g), torch.tensor([1.5, 0.7, 2.0])
+    streams, out = torch.randn(T, n, D, generator=g), torch.randn(T, D, generator=g)
+    post, comb = torch.rand(T, n, generator=g), torch.rand(T, n, n, generator=g)
+    w = 1 + 0.2 * torch.randn(D, generator=g)
+    got = fused.mhc_boundary(out, streams, post, comb, fn, base, scale, w, **KW, chunk=16)
+    want = ref.mhc_boundary(out, streams, post, comb, fn, base, scale, w, **KW)
+    for a, b in zip(got, want):
+        _close(a, b, 1e-5)

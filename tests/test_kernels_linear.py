@@ -1,0 +1,242 @@
+"""Skinny projection kernels (Triton interpreter on CPU) against their fp32 references, at odd sizes."""
+
+import pytest
+import torch
+
+from glm5next.checkpoint.fp8 import quantize_fp8_blocks
+from glm5next.kernels.linear import (
+    CANDIDATES, gate_up_swiglu, gate_up_swiglu_reference, linear_multi_reference, linear_reference, plan_launch,
+    skinny_linear, skinny_linear_multi, tile_counters,
+)
+
+# The interpreter converts 1-element arrays to scalars in a way numpy deprecates; thousands of warnings.
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::RuntimeWarning")
+
+# storage kind -> activation dtype
+KINDS = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp8": torch.bfloat16,
+    "fp8-fp32x": torch.float32,
+}
+
+
+def make_weight(kind: str, n: int, k: int, g: torch.Generator):
+    """A random [n, k] weight of `kind` and its scales (FP8 quantized on the host, with varied block scales)."""
+    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) * 4
+    if kind.startswith("fp8"):
+        return quantize_fp8_blocks(w)
+    return w.to(KINDS[kind]), None
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest error relative to the largest reference magnitude (per-element for tiny outputs)."""
+    y, ref = y.float(), ref.float()
+    assert not y.isnan().any()
+    return ((y - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item()
+
+
+def tol(x_dtype: torch.dtype) -> float:
+    """fp32 is tight; bf16 outputs are truncated by the interpreter's store (1 ulp ~ 2^-8)."""
+    return 1e-4 if x_dtype == torch.float32 else 1e-2
+
+
+def nan_out(m: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.full((m, n), float("nan"), dtype=dtype)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("split_k", [1, 3], ids=["nosplit", "split3"])
+@pytest.mark.parametrize("m", [1, 3, 17])
+def test_linear_matches_reference(kind, split_k, m):
+    g = torch.Generator().manual_seed(m * 7 + len(kind))
+    dtype = KINDS[kind]
+    shapes = [(n, k) for n in (1, 37, 130, 300) for k in (64, 200, 257)]
+    if kind in ("fp32", "fp8-fp32x"):  # the same kernel code as bf16/fp8 activations: fewer sizes
+        shapes = [(1, 257), (37, 200), (130, 64), (300, 257)]
+    for n, k in shapes:
+        w, s = make_weight(kind, n, k, g)
+        x = torch.randn(m, k, generator=g).to(dtype)
+        out = nan_out(m, n, dtype)
+        y = skinny_linear(x, w, s, out=out, split_k=split_k)
+        assert y is out
+        assert rel_err(y, linear_reference(x, w, s)) <= tol(dtype), (n, k)
+
+
+@pytest.mark.parametrize("kind", ["fp32", "fp8"])
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_linear_into_strided_view_leaves_the_rest(kind, split_k):
+    g = torch.Generator().manual_seed(3)
+    dtype = KINDS[kind]
+    w, s = make_weight(kind, 130, 257, g)
+    x_big = torch.randn(5, 300, generator=g).to(dtype)
+    x = x_big[:, 11:268]  # rows with a stride other than K
+    buf = nan_out(5, 150, dtype)
+    out = buf[:, 7:137]
+    skinny_linear(x, w, s, out=out, split_k=split_k, block_n=32)
+    assert rel_err(out, linear_reference(x, w, s)) <= tol(dtype)
+    assert buf[:, :7].isnan().all() and buf[:, 137:].isnan().all()
+
+
+@pytest.mark.parametrize("mode,block_n", [("gemv", None), ("gemv", 16), ("dot", 16), ("dot", 128)])
+@pytest.mark.parametrize("kind", ["fp32", "fp8"])
+def test_linear_variants(mode, block_n, kind):
+    g = torch.Generator().manual_seed(4)
+    dtype = KINDS[kind]
+    for m in (1, 5):
+        w, s = make_weight(kind, 130, 200, g)
+        x = torch.randn(m, 200, generator=g).to(dtype)
+        for split_k in (1, 2):
+            y = skinny_linear(x, w, s, out=nan_out(m, 130, dtype), split_k=split_k, block_n=block_n, mode=mode)
+            assert rel_err(y, linear_reference(x, w, s)) <= tol(dtype)
+
+
+@pytest.mark.parametrize("name", list(CANDIDATES))
+def test_every_candidate_runs(name):
+    g = torch.Generator().manual_seed(5)
+    w, s = make_weight("fp8", 37, 257, g)
+    x = torch.randn(2, 257, generator=g).to(torch.bfloat16)
+    assert rel_err(skinny_linear(x, w, s, **CANDIDATES[name]), linear_reference(x, w, s)) <= 1e-2
+
+
+MULTI = {
+    1: [("bf16", 130)],
+    3: [("fp8", 300), ("fp8", 37), ("fp32", 1)],
+    6: [("bf16", 70), ("bf16", 130), ("bf16", 20), ("bf16", 64), ("fp32", 1), ("fp32", 33)],
+}
+
+
+@pytest.mark.parametrize("count", sorted(MULTI))
+@pytest.mark.parametrize("split_k", [1, None, 2], ids=["nosplit", "heuristic", "split2"])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=["fp32x", "bf16x"])
+def test_multi_matches_reference(count, split_k, x_dtype):
+    g = torch.Generator().manual_seed(count)
+    k = 257 if count == 3 else 200
+    projections = [make_weight(kind, n, k, g) for kind, n in MULTI[count]]
+    for m in (1, 17):
+        x = torch.randn(m, k, generator=g).to(x_dtype)
+        ys = skinny_linear_multi(x, projections, split_k=split_k)
+        refs = linear_multi_reference(x, projections)
+        assert len(ys) == count
+        for y, ref in zip(ys, refs):
+            assert y.dtype == x_dtype and y.shape == ref.shape
+            assert rel_err(y, ref) <= tol(x_dtype)
+
+
+def test_multi_into_views_of_one_buffer():
+    g = torch.Generator().manual_seed(6)
+    projections = [make_weight("fp8", n, 200, g) for n in (130, 37, 64)]
+    x = torch.randn(3, 200, generator=g).to(torch.bfloat16)
+    buf = nan_out(3, 240, torch.bfloat16)
+    outs = [buf[:, 0:130], buf[:, 131:168], buf[:, 170:234]]
+    for split_k in (1, 2):
+        skinny_linear_multi(x, projections, outs, split_k=split_k)
+        for o, ref in zip(outs, linear_multi_reference(x, projections)):
+            assert rel_err(o, ref) <= 1e-2
+        assert buf[:, [130, 168, 169, 234, 239]].isnan().all()
+
+
+def test_multi_outputs_may_be_wider_than_x():
+    """A bf16 step may ask for an fp32 output (the indexer's head weights): products of bf16 values are exact."""
+    g = torch.Generator().manual_seed(11)
+    projections = [make_weight("fp8", 130, 200, g), make_weight("bf16", 32, 200, g)]
+    x = torch.randn(3, 200, generator=g).to(torch.bfloat16)
+    outs = [nan_out(3, 130, torch.bfloat16), nan_out(3, 32, torch.float32)]
+    skinny_linear_multi(x, projections, outs, split_k=2)
+    refs = linear_multi_reference(x, projections)
+    assert rel_err(outs[0], refs[0]) <= 1e-2
+    assert rel_err(outs[1], x.float() @ projections[1][0].float().T) <= 1e-5
+
+
+@pytest.mark.parametrize("kind", ["fp8", "bf16", "fp32"])
+@pytest.mark.parametrize("split_k", [1, None, 3], ids=["nosplit", "heuristic", "split3"])
+def test_gate_up_swiglu_matches_reference(kind, split_k):
+    g = torch.Generator().manual_seed(7)
+    dtype = KINDS[kind]
+    for m, n, k in ((1, 37, 257), (3, 300, 200), (17, 130, 64)):
+        gw, gs = make_weight(kind, n, k, g)
+        uw, us = make_weight(kind, n, k, g)
+        x = torch.randn(m, k, generator=g).to(dtype) * 0.3
+        for limit in (3.0, 1e9):  # clamps engaged (|g|, |u| reach ~10) and not
+            out = nan_out(m, n, dtype)
+            y = gate_up_swiglu(x, gw, gs, uw, us, limit, out=out, split_k=split_k)
+            assert y is out
+            assert rel_err(y, gate_up_swiglu_reference(x, gw, gs, uw, us, limit)) <= tol(dtype), (m, n, k)
+
+
+def test_split_counters_return_to_zero():
+    g = torch.Generator().manual_seed(8)
+    w, s = make_weight("fp8", 300, 257, g)
+    x = torch.randn(3, 257, generator=g)
+    skinny_linear(x, w, s, split_k=4)
+    gate_up_swiglu(x, w, s, w, s, 5.0, split_k=4)
+    assert not tile_counters(x.device).any()
+
+
+def test_split_is_deterministic():
+    g = torch.Generator().manual_seed(9)
+    w, s = make_weight("bf16", 130, 257, g)
+    x = torch.randn(17, 257, generator=g).to(torch.bfloat16)
+    first = skinny_linear(x, w, s, split_k=5)
+    assert torch.equal(first, skinny_linear(x, w, s, split_k=5))
+
+
+def test_gpu_plans_fill_the_machine():
+    """The real decode shapes on 132 SMs: enough programs, splits only where tiles are few."""
+    def programs(plan, ns):
+        return sum(-(-n // plan.block_n) for n in ns) * plan.split_k
+
+    kda = [8192, 8192, 8192, 64, 128, 128]
+    for m in (1, 16, 64):
+        assert plan_launch(m, kda, 4096, 2).split_k == 1
+        dsa = plan_launch(m, [1536, 512, 128], 4096, 1)
+        o_proj = plan_launch(m, [4096], 8192, 2)
+        shared = plan_launch(m, [2048], 4096, 1, gated=True)
+        assert o_proj.block_k == 128 and o_proj.use_dot and o_proj.block_m == max(16, m)
+        if m <= 16:
+            assert programs(dsa, [1536, 512, 128]) >= 264 and programs(o_proj, [4096]) >= 264
+            assert programs(shared, [2048]) >= 256
+        for plan in (dsa, o_proj, shared):
+            assert 1 <= plan.split_k <= 16
+    assert plan_launch(1, [4096], 8192, 2) == plan_launch(1, [4096], 8192, 2)  # deterministic
+    assert plan_launch(1, [4096], 8192, 2, split_k=1).split_k == 1
+    assert plan_launch(3, [4096], 8192, 2, split_k=7, block_n=32).block_n == 32
+
+
+def test_bad_arguments_are_refused():
+    x = torch.randn(2, 64)
+    w8, s8 = make_weight("fp8", 40, 64, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError):
+        skinny_linear(x, w8)  # FP8 without scales
+    with pytest.raises(ValueError):
+        skinny_linear(x, w8, s8[:, :0])
+    with pytest.raises(ValueError):
+        skinny_linear(torch.randn(65, 64), w8, s8)
+    with pytest.raises(ValueError):
+        skinny_linear(x, torch.randn(64, 40).T, None)  # not contiguous
+    with pytest.raises(ValueError):
+        skinny_linear(x, w8, s8, out=torch.empty(2, 41))
+    with pytest.raises(ValueError):
+        skinny_linear_multi(x, [(w8, s8)] * 7)
+    with pytest.raises(ValueError):
+        skinny_linear(torch.randn(9, 64), w8, s8, mode="gemv")
+    with pytest.raises(ValueError):
+        gate_up_swiglu(x, w8, s8, w8.float(), None, 1.0)
+    assert skinny_linear(torch.randn(0, 64), w8, s8).shape == (0, 40)
+
+
+@pytest.mark.parametrize("kind", ["fp8-fp32x", "fp32"])
+@pytest.mark.parametrize("gated", [False, True])
+def test_fp32_products_in_chunks(kind, gated):
+    """On the GPU fp32 products are fed 16-32 K at a time inside a step; the chunked loop agrees."""
+    from glm5next.kernels.linear.kernel import LaunchPlan, launch
+
+    g = torch.Generator().manual_seed(10)
+    w, s = make_weight(kind, 70, 257, g)
+    u, us = make_weight(kind, 70, 257, g)
+    x = torch.randn(3, 257, generator=g) * 0.3
+    out = nan_out(3, 70, torch.float32)
+    plan = LaunchPlan(16, 32, 64, 2, True, f32_sub_k=16)
+    launch(x, [w], [s], [out], plan, up=(u, us) if gated else None, limit=2.0)
+    ref = gate_up_swiglu_reference(x, w, s, u, us, 2.0) if gated else linear_reference(x, w, s)
+    assert rel_err(out, ref) <= 1e-4

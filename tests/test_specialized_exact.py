@@ -1,0 +1,113 @@
+"""The executor against the stock backbone on the small model, fp32, through the Triton interpreter:
+each stage against the stock module it replaces, a planned step against the stock step (logits and
+every cache write), and greedy tokens over 64 planned steps identical to the stock ones. The CPU
+has no graphs, so planned steps run eagerly with the step declared as captured."""
+
+import pytest
+import torch
+
+from glm5next.model.mhc import hc_post
+from glm5next.model.routing import routed
+from glm5next.runtime.cache import ModelCache
+from glm5next.runtime.runner import Runner, Sequence
+from glm5next.specialized_decode import STAGES, Policy, SpecializedDecode
+
+SIZES = (1, 2, 4, 8)
+
+
+def policy(**choices):
+    """Every stage on at every size, with `choices` overriding a stage's choice (None: stock)."""
+    tables = {}
+    for stage, options in STAGES.items():
+        choice = choices.get(stage, options[0])
+        if choice is not None:
+            tables[stage] = {str(m): choice for m in SIZES}
+    return Policy(tables)
+
+
+def close(got, want, tol=1e-4):
+    err = float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30))
+    assert err < tol, err
+
+
+def test_boundary_stage_equals_stock(tiny_fp32):
+    ex = SpecializedDecode(tiny_fp32, policy(), SIZES)
+    layer, cfg = tiny_fp32.layers[2], tiny_fp32.config
+    g = torch.Generator().manual_seed(0)
+    streams = torch.randn(3, cfg.hc_mult, cfg.hidden_size, generator=g)
+    out = torch.randn(3, cfg.hidden_size, generator=g)
+    _, post, comb = layer.attn_hc.pre(streams)
+    got = ex.boundary_stage(out, streams, post, comb, layer.ffn_hc, layer.post_attention_layernorm)
+    new = hc_post(out, streams, post, comb)
+    x, p2, c2 = layer.ffn_hc.pre(new)
+    for a, b in zip(got, (new, p2, c2, layer.post_attention_layernorm(x))):
+        close(a, b, 1e-5)
+
+
+@pytest.mark.parametrize("choice", ["grouped", "single"])
+def test_projection_routes_equal_stock(tiny_fp32, choice):
+    ex = SpecializedDecode(tiny_fp32, policy(kda_proj=choice, dsa_proj=choice), SIZES)
+    g = torch.Generator().manual_seed(1)
+    for idx in (0, 3):  # a KDA layer and a DSA layer
+        attn = tiny_fp32.layers[idx].self_attn
+        table = ex.routes(4)
+        mods = [m for m in attn.modules() if id(m) in table]
+        assert mods, f"layer {idx}: nothing routed"
+        x = torch.randn(4, tiny_fp32.config.hidden_size, generator=g)
+        for m in mods:
+            xin = x if m.in_features == x.shape[1] else torch.randn(4, m.in_features, generator=g)
+            want = m(xin)
+            with routed(table):
+                got = m(xin)
+            ex.projections.reset()
+            close(got, want)
+
+
+def test_dense_and_shared_expert_stages_equal_stock(tiny_fp32):
+    ex = SpecializedDecode(tiny_fp32, policy(), SIZES)
+    x = torch.randn(5, tiny_fp32.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    assert sorted(ex.dense) == [0, 1, 2] and sorted(ex.shared) == [3, 4, 5, 6, 7]
+    close(ex.dense[1](x), tiny_fp32.layers[1].mlp(x))
+    close(ex.shared[5](x), tiny_fp32.layers[5].mlp.shared_experts(x))
+
+
+def prefilled(model, lens, executor=None):
+    cache = ModelCache(model.config, 80, 16, 8, torch.float32, "cpu", include_mtp=False)
+    runner = Runner(model, cache, max_model_len=320, capture_sizes=SIZES, executor=executor)
+    runner.graph_mode = executor is not None
+    g = torch.Generator().manual_seed(7)
+    seqs = [Sequence(torch.randint(0, 256, (n,), generator=g).tolist(), i, list(range(10 * i, 10 * i + 10)))
+            for i, n in enumerate(lens)]
+    runner.step(seqs)  # the prefill runs stock (a prompt row is never planned)
+    return runner, seqs
+
+
+@pytest.mark.parametrize("choice", ["grouped", "single"])
+def test_planned_step_equals_stock_step(tiny_fp32, choice):
+    lens = [5, 40, 70]  # the long ones make the indexer drop pools
+    planned, p_seqs = prefilled(tiny_fp32, lens, SpecializedDecode(tiny_fp32, policy(kda_proj=choice,
+                                                                                    dsa_proj=choice), SIZES))
+    stock, s_seqs = prefilled(tiny_fp32, lens)
+    for step in range(3):
+        for seqs in (p_seqs, s_seqs):
+            for i, s in enumerate(seqs):
+                s.token_ids.append(3 * step + 11 * i)
+        close(planned.step(p_seqs), stock.step(s_seqs))
+    for a, b in zip(planned.cache.tensors(), stock.cache.tensors()):
+        close(a[:-1], b[:-1])  # every cache write but the padding row's scratch
+
+
+def test_greedy_tokens_identical_over_64_planned_steps(tiny_fp32):
+    ex = SpecializedDecode(tiny_fp32, policy(), SIZES)
+    lens = [9, 33, 2]
+    runs = []
+    for runner, seqs in (prefilled(tiny_fp32, lens, ex), prefilled(tiny_fp32, lens)):
+        nxt, out = [7, 8, 9], []
+        for _ in range(64):
+            for s, t in zip(seqs, nxt):
+                s.token_ids.append(t)
+            nxt = runner.step(seqs).argmax(-1).tolist()
+            out.append(nxt)
+        runs.append(out)
+    assert ex.planned_steps == 64  # every decode step ran the planned path (3 rows padded to 4)
+    assert runs[0] == runs[1]
