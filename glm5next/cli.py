@@ -45,6 +45,11 @@ def _run(model: str, prompts: list[str], args) -> int:
     for o in outs:
         print(f"prompt: {o.prompt!r}\noutput: {o.outputs[0].text!r}\ntoken ids: {o.outputs[0].token_ids}")
     print(f"{n} tokens in {elapsed:.2f} s: {n / max(elapsed, 1e-9):.1f} tokens/s")
+    if llm.engine.spec:
+        m = llm.engine.spec_metrics()
+        print(f"speculative (mtp, k={m['num_speculative_tokens']}): acceptance {m['acceptance_rate']:.1%}, mean accepted "
+              f"length {m['mean_accepted_length']:.2f}, by position "
+              + " ".join(f"{a:.1%}" for a in m["acceptance_by_position"]))
     return 0
 
 
@@ -73,6 +78,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="captured decode steps: the stock forward (default), the specialized executor, or auto "
                         "(specialized on a GPU for which a measured policy ships)")
     p.add_argument("--policy", default=None, help="a policy JSON written by `glm5next tune-policy`")
+    p.add_argument("--speculative-config", default=None,
+                   help='MTP speculative decoding, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\'')
 
 
 def engine_kwargs(args) -> dict:
@@ -80,7 +87,8 @@ def engine_kwargs(args) -> dict:
     kw = dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
               num_blocks=args.num_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
-              enforce_eager=args.enforce_eager, decode_backend=args.decode_backend, policy=args.policy)
+              enforce_eager=args.enforce_eager, decode_backend=args.decode_backend, policy=args.policy,
+              speculative_config=args.speculative_config)
     if args.cuda_graph_sizes:
         try:
             kw["capture_sizes"] = [int(x) for x in args.cuda_graph_sizes.split(",") if x.strip()]

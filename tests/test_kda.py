@@ -309,10 +309,11 @@ def test_counterexample_padding_redirected_to_a_real_slot_is_caught():
         assert_only_touched(before, state, {1, 4})
 
 
-def test_speculative_multi_token_decode_is_refused():
+def test_multi_token_verify_needs_its_scratch():
+    """A verify step of q tokens per row needs the state's verify scratch (a cache built for it)."""
     layer = make_layer()
     state = new_state(layer, 1)
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(RuntimeError, match="verify_tokens"):
         run(layer, inputs(2), state, [2], [3], 1, [0])
 
 

@@ -34,6 +34,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="stock: the stock runtime (eager, CUDA graph, end to end); specialized: stock vs the "
                         "specialized executor, per-stage table, full-model estimate (needs a GPU)")
     p.add_argument("--policy", default=None, help="specialized mode: a policy JSON (default: the shipped one)")
+    p.add_argument("--speculative-config", default=None,
+                   help='end to end with MTP speculative decoding, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\'')
     p.add_argument("--small", action="store_true", help="a reduced-width slice that runs on a CPU in seconds")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--layers", type=int, default=8, help="layers of the slice (default 8)")
@@ -128,6 +130,7 @@ def cmd_bench(args) -> int:
         eager_iters=args.eager_iters, eager_warmup=args.eager_warmup, replays=args.replays,
         graph_warmup=args.graph_warmup, skip_eager=args.skip_eager, skip_graph=args.skip_graph,
         skip_e2e=args.skip_e2e, prompt_len=args.prompt_len, gen_len=args.gen_len, bw_gib=args.bw_gib, seed=args.seed,
+        speculative_config=args.speculative_config,
     )
     if args.mode == "specialized":
         from .specialized import run_specialized

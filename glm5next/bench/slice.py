@@ -89,14 +89,14 @@ SMALL_OVERRIDES = {
 """Sizes of the CPU-sized slice: same layer pattern and mechanisms, a few seconds per step on a CPU."""
 
 
-def slice_config(num_layers: int = 8, small: bool = False) -> Glm5NextConfig:
+def slice_config(num_layers: int = 8, small: bool = False, with_mtp: bool = False) -> Glm5NextConfig:
     """GLM-5.3-Flash truncated to layers 0..num_layers-1 (DSA where i % 4 == 3, dense MLP in layers 0-2,
-    MoE after), without the MTP layer; `small` shrinks every width for CPU tests."""
+    MoE after), with the MTP layer only when asked; `small` shrinks every width for CPU tests."""
     if num_layers < 1:
         raise ValueError(f"num_layers={num_layers} must be at least 1")
     raw = {**GLM53_FLASH_TEXT, **(SMALL_OVERRIDES if small else {})}
     raw["num_hidden_layers"] = num_layers
-    raw["num_nextn_predict_layers"] = 0
+    raw["num_nextn_predict_layers"] = 1 if with_mtp else 0
     raw["layer_types"] = ["deepseek_sparse_attention" if i % 4 == 3 else "linear_attention" for i in range(num_layers)]
     raw["mlp_layer_types"] = ["dense" if i < raw["first_k_dense_replace"] else "sparse" for i in range(num_layers)]
     return Glm5NextConfig.from_dict(raw)
@@ -171,13 +171,15 @@ def _random_fp8(shape, law, gen, device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def build_slice_model(
-    config: Glm5NextConfig, device: torch.device | str, dtype: torch.dtype = torch.bfloat16, seed: int = 0
+    config: Glm5NextConfig, device: torch.device | str, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+    with_mtp: bool = False,
 ) -> Glm5NextModel:
-    """The backbone of `config` (no MTP) with seeded random weights drawn on `device` in the checkpoint's dtypes."""
+    """The backbone of `config` (with the MTP layer when asked) with seeded random weights drawn on
+    `device` in the checkpoint's dtypes."""
     device = torch.device(device)
-    model = Glm5NextModel(config, with_mtp=False)
+    model = Glm5NextModel(config, with_mtp=with_mtp)
     specs = model.tensor_specs()
-    expected = expected_tensors(config, include_mtp=False)
+    expected = expected_tensors(config, include_mtp=with_mtp)
     if set(specs) != set(expected):
         raise RuntimeError(f"model and inventory disagree: {sorted(set(specs) ^ set(expected))[:5]}")
     gen = torch.Generator(device=device).manual_seed(seed)

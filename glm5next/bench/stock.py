@@ -45,6 +45,7 @@ class StockOptions:
     gen_len: int = 64
     bw_gib: float = 1.0
     seed: int = 0
+    speculative_config: str | None = None
 
 
 _START = [time.perf_counter()]
@@ -145,10 +146,10 @@ def run_stock(opts: StockOptions) -> dict:
     tokens = sorted(set(opts.tokens))
     result: dict = {"mode": "stock", "slice": "small" if opts.small else "real", **_versions(device),
                     "context": opts.context, "block_size": opts.block_size, "notes": []}
-    config = slice_config(opts.layers, small=opts.small)
+    config = slice_config(opts.layers, small=opts.small, with_mtp=bool(opts.speculative_config))
     log(f"building the {'small' if opts.small else 'real-width'} {opts.layers}-layer slice on {device}")
     t = time.perf_counter()
-    model = build_slice_model(config, device, seed=opts.seed)
+    model = build_slice_model(config, device, seed=opts.seed, with_mtp=bool(opts.speculative_config))
     _sync(device)
     result["build_s"] = time.perf_counter() - t
     result["config"] = _config_summary(model, config)
@@ -239,6 +240,9 @@ def run_e2e(model, device: torch.device, opts: StockOptions, notes: list) -> lis
     levels = sorted(set(opts.concurrency))
     if not levels:
         return []
+    if opts.speculative_config and model.mtp is None:
+        notes.append("end-to-end speculative decoding skipped: the slice has no MTP layer")
+        return []
     cuda = device.type == "cuda"
     max_len = opts.prompt_len + opts.gen_len + opts.block_size
     per_seq = -(-max_len // opts.block_size)
@@ -247,6 +251,7 @@ def run_e2e(model, device: torch.device, opts: StockOptions, notes: list) -> lis
     engine = LLMEngine.from_model(
         model, max_model_len=max_len, max_num_seqs=levels[-1], num_blocks=levels[-1] * per_seq + 4,
         block_size=opts.block_size, enforce_eager=not cuda, capture_sizes=levels,
+        speculative_config=opts.speculative_config,
     )
     log(f"engine ready in {time.perf_counter() - t:.1f} s")
     if not cuda:
@@ -282,6 +287,9 @@ def run_e2e(model, device: torch.device, opts: StockOptions, notes: list) -> lis
     for n in levels:
         row = run(f"c{n}", n, params)
         rows.append(row)
+        if engine.spec:
+            row["speculative"] = engine.spec_metrics()
         log(f"concurrency {n}: {row['output_tokens_per_s']:.1f} output tokens/s, TPOT {row['tpot_ms']:.2f} ms, "
-            f"{row['graph_steps']}/{row['steps']} steps from graphs")
+            f"{row['graph_steps']}/{row['steps']} steps from graphs"
+            + (f", mean accepted length {row['speculative']['mean_accepted_length']:.2f}" if engine.spec else ""))
     return rows

@@ -124,8 +124,9 @@ class KimiDeltaAttention(nn.Module):
     def forward(self, x: torch.Tensor, md: AttnMetadata, state: KdaState) -> torch.Tensor:
         """The layer output [T, hidden] (x's dtype) of the step's tokens x [T, hidden]; updates `state`."""
         nd = md.num_decodes
-        if md.num_decode_tokens != nd:
-            raise NotImplementedError("KDA decode takes one token per sequence; multi-token verify is not implemented")
+        q_per = md.num_decode_tokens // nd if nd else 1
+        if md.num_decode_tokens != nd * q_per:
+            raise ValueError(f"{md.num_decode_tokens} decode tokens over {nd} sequences: a verify step is uniform")
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, 3HK]
         decay = self.log_decay(x)
         # transformers takes this sigmoid in the model dtype; the delta rule then upcasts it.
@@ -133,7 +134,11 @@ class KimiDeltaAttention(nn.Module):
         parts = []
         if nd:
             slots = state.slots(md.state_indices[:nd])
-            parts.append(self._decode(mixed[:nd], decay[:nd], beta[:nd], slots, state))
+            if q_per == 1:
+                parts.append(self._decode(mixed[:nd], decay[:nd], beta[:nd], slots, state))
+            else:
+                nt = nd * q_per
+                parts.append(self._verify(mixed[:nt], decay[:nt], beta[:nt], slots, state, q_per))
         starts = md.query_start_loc_cpu
         for s in range(nd, nd + md.num_prefills):
             a, b = starts[s], starts[s + 1]
@@ -161,6 +166,48 @@ class KimiDeltaAttention(nn.Module):
         out, new_state = kda_step(q, k, v, decay, beta, state.recurrent[slots])
         state.recurrent.index_copy_(0, slots, new_state)
         return out
+
+    def _verify(
+        self, mixed: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor, state: KdaState,
+        q: int,
+    ) -> torch.Tensor:
+        """Delta-rule outputs [N * q, H, V] fp32 of q tokens per decode row (a speculative verify).
+
+        The conv window and the recurrent state are only read: what `commit` needs to advance them
+        over the accepted tokens is left in `state.verify`, so rejected tokens never touch them.
+        """
+        if state.verify is None or state.verify["k"].shape[1] < q:
+            raise RuntimeError(f"a {q}-token verify needs a cache built with verify_tokens >= {q}")
+        n = slots.shape[0]
+        rows = mixed.view(n, q, -1).transpose(1, 2).to(state.conv.dtype)  # [N, 3HK, q]
+        window = torch.cat([state.conv[slots], rows], dim=-1)  # [N, 3HK, keep + q]
+        act = self.conv_silu(window, mixed.dtype).transpose(1, 2)  # [N, q, 3HK]
+        qh, kh, vh = self.heads(act)
+        g = decay.view(n, q, *decay.shape[1:])
+        b = beta.view(n, q, -1)
+        s, outs = state.recurrent[slots], []
+        for j in range(q):
+            o, s = kda_step(qh[:, j], kh[:, j], vh[:, j], g[:, j], b[:, j], s)
+            outs.append(o)
+        saved = state.verify
+        saved["window"][:, :, : window.shape[-1]].index_copy_(0, slots, window)
+        for name, value in (("k", kh), ("v", vh), ("g", g), ("beta", b)):
+            saved[name][:, :q].index_copy_(0, slots, value.float())
+        return torch.stack(outs, 1).reshape(n * q, *outs[0].shape[1:])
+
+    @staticmethod
+    def commit(state: KdaState, slots: list[int], accepted: list[int]) -> None:
+        """Advance each slot's conv window and state over its first `accepted` verified tokens (>= 1),
+        from what the verify step left: the fp32 state is written once."""
+        keep = state.conv.shape[-1]
+        saved = state.verify
+        for slot, n in zip(slots, accepted):
+            state.conv[slot] = saved["window"][slot, :, n : n + keep]
+            s = state.recurrent[slot]
+            for j in range(n):
+                k = saved["k"][slot, j]
+                _, s = kda_step(k, k, saved["v"][slot, j], saved["g"][slot, j], saved["beta"][slot, j], s)
+            state.recurrent[slot] = s
 
     def _prefill(
         self,

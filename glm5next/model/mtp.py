@@ -34,22 +34,28 @@ class MtpLayer(nn.Module):
         self.shared_head_norm = RMSNorm(d, eps)
 
     def forward(
-        self, embedded: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext, cache: ModelCache
-    ) -> torch.Tensor:
+        self, embedded: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext, cache: ModelCache,
+        selection: torch.Tensor | None = None, return_selection: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The draft hidden state [T, D] (post shared-head norm, fed to the trunk LM head).
 
         `embedded` [T, D]: embeddings of the tokens after each slot; `hidden`
         [T, D]: the trunk's post-norm hidden states at each slot. The embedding
-        is zeroed at position 0.
+        is zeroed at position 0. `selection` / `return_selection`: the DSA pools to attend to instead
+        of the indexer's, and the pools chosen (see `SparseMLA.forward`), for draft steps that reuse
+        the first draft step's selection.
         """
         md = ctx.metadata(self.self_attn.prefix)
         first = (md.positions == 0).unsqueeze(-1)
         embedded = torch.where(first, torch.zeros_like(embedded), embedded)
         z = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
-        r = self.self_attn(self.input_layernorm(z), md, cache.dsa[self.layer_idx]) + z
+        a = self.self_attn(self.input_layernorm(z), md, cache.dsa[self.layer_idx], selection, return_selection)
+        a, chosen = a if return_selection else (a, None)
+        r = a + z
         graph_safe = ctx.cudagraph_mode != CUDAGraphMode.NONE
         f = self.mlp(self.post_attention_layernorm(r), graph_safe=graph_safe)
-        return self.shared_head_norm(f + r)
+        out = self.shared_head_norm(f + r)
+        return (out, chosen) if return_selection else out
 
     def tensor_specs(self) -> dict[str, TensorSpec]:
         """Every checkpoint tensor of the MTP layer."""

@@ -51,6 +51,11 @@ class KdaState:
     """[slots + 1, 3 * heads * head_dim, conv_kernel - 1]: last pre-conv q|k|v rows, oldest first."""
     recurrent: torch.Tensor
     """[slots + 1, heads, key_dim, value_dim] fp32: the delta-rule state S (HF layout)."""
+    verify: dict[str, torch.Tensor] | None = None
+    """Speculative decoding only: what a verify step of q tokens leaves per slot for `commit` —
+    'window' [slots + 1, 3HK, conv_kernel - 1 + q] (the old conv rows then the q new pre-conv rows),
+    'k', 'g' [slots + 1, q, H, K], 'v' [slots + 1, q, H, V], 'beta' [slots + 1, q, H], all fp32
+    except the window (the conv dtype). A verify step leaves `conv` and `recurrent` untouched."""
 
     @property
     def num_slots(self) -> int:
@@ -74,6 +79,7 @@ class ModelCache:
         dtype: torch.dtype,
         device: torch.device | str,
         include_mtp: bool = True,
+        verify_tokens: int = 0,
     ) -> None:
         if block_size % config.index_kpool:
             raise ValueError(f"block_size={block_size} must be a multiple of index_kpool={config.index_kpool}")
@@ -101,6 +107,13 @@ class ModelCache:
                     conv=torch.zeros(num_slots + 1, 3 * c, config.linear_conv_kernel_dim - 1, dtype=dtype, device=device),
                     recurrent=torch.zeros(num_slots + 1, h, d, d, dtype=torch.float32, device=device),
                 )
+                if verify_tokens > 1:
+                    n, q, f32 = num_slots + 1, verify_tokens, dict(dtype=torch.float32, device=device)
+                    self.kda[i].verify = {
+                        "window": torch.zeros(n, 3 * c, config.linear_conv_kernel_dim - 1 + q, dtype=dtype, device=device),
+                        "k": torch.zeros(n, q, h, d, **f32), "g": torch.zeros(n, q, h, d, **f32),
+                        "v": torch.zeros(n, q, h, d, **f32), "beta": torch.zeros(n, q, h, **f32),
+                    }
 
     def tensors(self) -> list[torch.Tensor]:
         """Every cache tensor (for snapshots in tests and byte accounting)."""
@@ -119,19 +132,24 @@ class ModelCache:
         return int(n * block_size * per_token * torch.tensor([], dtype=dtype).element_size())
 
     @staticmethod
-    def bytes_per_slot(config: Glm5NextConfig, dtype: torch.dtype) -> int:
-        """Bytes one sequence's KDA states cost across every KDA layer."""
+    def bytes_per_slot(config: Glm5NextConfig, dtype: torch.dtype, verify_tokens: int = 0) -> int:
+        """Bytes one sequence's KDA states cost across every KDA layer (with the verify scratch of
+        `verify_tokens`-token speculative steps, when > 1)."""
         n = sum(1 for k in config.layer_kinds if k == KDA)
-        conv = 3 * config.kda_dim * (config.linear_conv_kernel_dim - 1) * torch.tensor([], dtype=dtype).element_size()
-        rec = config.linear_num_heads * config.linear_head_dim**2 * 4
-        return n * (conv + rec)
+        size = torch.tensor([], dtype=dtype).element_size()
+        keep = config.linear_conv_kernel_dim - 1
+        h, d = config.linear_num_heads, config.linear_head_dim
+        per = 3 * config.kda_dim * keep * size + h * d * d * 4
+        if verify_tokens > 1:
+            per += 3 * config.kda_dim * (keep + verify_tokens) * size + verify_tokens * (3 * h * d + h) * 4
+        return n * per
 
 
 def blocks_for_budget(
     config: Glm5NextConfig, budget_bytes: int, block_size: int, num_slots: int, dtype: torch.dtype,
-    include_mtp: bool = True,
+    include_mtp: bool = True, verify_tokens: int = 0,
 ) -> int:
     """Paged blocks that fit in `budget_bytes` once `num_slots` KDA slots (and the scratch block and slot) are paid."""
     per_block = ModelCache.bytes_per_block(config, block_size, dtype, include_mtp)
-    rest = budget_bytes - (num_slots + 1) * ModelCache.bytes_per_slot(config, dtype) - per_block
+    rest = budget_bytes - (num_slots + 1) * ModelCache.bytes_per_slot(config, dtype, verify_tokens) - per_block
     return max(rest // per_block, 0)

@@ -77,6 +77,8 @@ def plan_cache(
     num_blocks: int | None,
     gpu_memory_utilization: float,
     max_capture_size: int,
+    include_mtp: bool = False,
+    verify_tokens: int = 0,
 ) -> CachePlan:
     """The cache size for an engine over `model` (see the module docstring)."""
     config = model.config
@@ -98,13 +100,15 @@ def plan_cache(
         activation = _profile_peak(model, block_size, chunk, max_capture_size)
         free, total = torch.cuda.mem_get_info(device)
         budget = int(gpu_memory_utilization * total) - (total - free) - activation
-        num_blocks = blocks_for_budget(config, budget, block_size, max_num_seqs, dtype, include_mtp=False)
+        num_blocks = blocks_for_budget(config, budget, block_size, max_num_seqs, dtype, include_mtp=include_mtp,
+                                       verify_tokens=verify_tokens)
     else:
         budget = CPU_CACHE_BYTES
-        num_blocks = min(blocks_for_budget(config, budget, block_size, max_num_seqs, dtype, include_mtp=False),
+        num_blocks = min(blocks_for_budget(config, budget, block_size, max_num_seqs, dtype, include_mtp=include_mtp,
+                                           verify_tokens=verify_tokens),
                          need * max_num_seqs)
     if num_blocks < need:
-        per_block = ModelCache.bytes_per_block(config, block_size, dtype, include_mtp=False)
+        per_block = ModelCache.bytes_per_block(config, block_size, dtype, include_mtp=include_mtp)
         raise ValueError(
             f"the cache holds {num_blocks} blocks of {block_size} tokens ({num_blocks * block_size} tokens), fewer "
             f"than one max_model_len={max_model_len} sequence needs ({need} blocks, "

@@ -32,12 +32,14 @@ class LLM:
         progress: bool = True,
         decode_backend: str = "stock",
         policy: str | None = None,
+        speculative_config=None,
     ) -> None:
         self.engine = LLMEngine(
             model, dtype=dtype, device=device, max_model_len=max_model_len, block_size=block_size,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, num_blocks=num_blocks,
             gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
             capture_sizes=capture_sizes, seed=seed, progress=progress, decode_backend=decode_backend, policy=policy,
+            speculative_config=speculative_config,
         )
         self.model, self.config, self.tokenizer = self.engine.model, self.engine.config, self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len

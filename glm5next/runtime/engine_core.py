@@ -66,6 +66,12 @@ class _Live:
     detok: IncrementalDetokenizer | None
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    drafts: list[int] | None = None
+    """Speculative decoding: the draft tokens the next step verifies."""
+    draft_probs: torch.Tensor | None = None
+    """[k, vocab] the draft distributions the drafts were drawn from (sampled requests)."""
+    generator: torch.Generator | None = None
+    """Speculative decoding: the request's own random stream for drafts and acceptance."""
 
 
 class LLMEngine:
@@ -89,7 +95,11 @@ class LLMEngine:
         progress: bool = True,
         decode_backend: str = "stock",
         policy: str | None = None,
+        speculative_config=None,
     ) -> None:
+        from .speculative import SpeculativeConfig
+
+        self.spec = SpeculativeConfig.parse(speculative_config)
         if isinstance(model, Glm5NextModel):
             self.model = model
             self.dtype = model.embed_tokens.dtype
@@ -112,24 +122,37 @@ class LLMEngine:
         self.capture_sizes = check_capture_sizes(capture_sizes)
         self.plan = plan_cache(
             self.model, self.max_model_len, block_size, max_num_seqs, max_num_batched_tokens, num_blocks,
-            gpu_memory_utilization, self.capture_sizes[-1] if not enforce_eager else 0,
+            gpu_memory_utilization, self.capture_sizes[-1] if not enforce_eager else 0, include_mtp=bool(self.spec),
+            verify_tokens=self.spec.num_speculative_tokens + 1 if self.spec else 0,
         )
+        k = self.spec.num_speculative_tokens if self.spec else 0
+        if self.spec and self.model.mtp is None:
+            raise ValueError("speculative_config method 'mtp' needs a checkpoint with an MTP layer; this one has none")
         self.cache = ModelCache(self.config, self.plan.num_blocks, block_size, max_num_seqs, self.dtype, self.device,
-                                include_mtp=False)
+                                include_mtp=bool(self.spec), verify_tokens=k + 1 if k else 0)
         from ..specialized_decode import build_executor
 
         self.executor = build_executor(self.model, decode_backend, policy, self.capture_sizes, enforce_eager)
         self.runner = Runner(self.model, self.cache, self.max_model_len, self.capture_sizes, self.executor)
-        if self.device.type == "cuda" and not enforce_eager:
+        if self.device.type == "cuda" and not enforce_eager and not self.spec:
             self.runner.capture()
         self.scheduler = Scheduler(BlockManager(self.plan.num_blocks, max_num_seqs, block_size), max_num_seqs,
                                    max_num_batched_tokens)
+        self.drafter = None
+        if self.spec:
+            from .speculative import MtpDrafter
+
+            self.drafter = MtpDrafter(self.model, self.cache, k)
+            self.scheduler.verify_tokens, self.scheduler.lookahead = k + 1, k
+            if max_num_batched_tokens < k + 1:
+                raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} cannot hold one {k + 1}-token verify")
         self.sampler = BatchSampler(self.config.vocab_size)
         self.eos_token_ids = frozenset(
             (tokenizer.eos_token_ids if tokenizer is not None else ()) or self.config.eos_token_ids)
         self._seeds = torch.Generator().manual_seed(seed)
         self._live: dict[str, _Live] = {}
-        self.stats = {"steps": 0, "graph_steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "preemptions": 0}
+        self.stats = {"steps": 0, "graph_steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "preemptions": 0,
+                      "verify_rows": 0, "drafted": 0, "accepted": 0, "accepted_at": [0] * k}
 
     @classmethod
     def from_model(cls, model: Glm5NextModel, tokenizer: Tokenizer | None = None, **kwargs) -> "LLMEngine":
@@ -167,6 +190,8 @@ class LLMEngine:
         if request_id in self._live:
             raise ValueError(f"request id {request_id!r} is already live")
         ids = self.validate(prompt, params)
+        if self.spec and params.logprobs is not None:
+            raise ValueError("logprobs are not available with speculative decoding yet")
         if params.seed is None:
             params = dataclasses.replace(params, seed=int(torch.randint(0, 2**62, (), generator=self._seeds)))
         budget = min(params.max_tokens, self.max_model_len - len(ids))
@@ -177,6 +202,8 @@ class LLMEngine:
             detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
         text = prompt if isinstance(prompt, str) else (prompt.get("prompt") if isinstance(prompt, dict) else None)
         self._live[request_id] = _Live(req, text, params, detok)
+        if self.spec:
+            self._live[request_id].generator = torch.Generator().manual_seed(params.seed)
         self.stats["prompt_tokens"] += len(ids)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -200,6 +227,10 @@ class LLMEngine:
         """Run one model step; the outputs of the requests that gained a token (finished ones included)."""
         if not self._live:
             return []
+        if self.spec:
+            from .spec_step import spec_step
+
+            return spec_step(self)
         out = self.scheduler.schedule()
         self.stats["preemptions"] += len(out.preempted)
         if not out.scheduled:
@@ -231,6 +262,16 @@ class LLMEngine:
             results.append(self._output(live, reason))
         self.stats["generated_tokens"] += len(reqs)
         return results
+
+    def spec_metrics(self) -> dict:
+        """Speculative decoding: acceptance rate, mean accepted length (tokens per verify, bonus included)
+        and the acceptance rate at each draft position."""
+        st = self.stats
+        rows = max(st["verify_rows"], 1)
+        return {"num_speculative_tokens": len(st["accepted_at"]), "verify_rows": st["verify_rows"],
+                "acceptance_rate": st["accepted"] / max(st["drafted"], 1),
+                "mean_accepted_length": 1 + st["accepted"] / rows,
+                "acceptance_by_position": [a / rows for a in st["accepted_at"]]}
 
     def _stops(self, live: _Live, token: int) -> bool:
         p = live.params

@@ -163,6 +163,31 @@ class Runner:
         last = torch.tensor(md.query_start_loc_cpu[1:], device=self.device) - 1
         return self.model.compute_logits(hidden[last])
 
+    @torch.inference_mode()
+    def execute_verify(self, items: list[Item], num_decodes: int, q: int):
+        """An eager step whose first `num_decodes` items verify q tokens each (their last accepted token
+        and q - 1 drafts), followed by prefill chunks. Returns the post-norm hidden states [T, D] of every
+        token and the step metadata (its `query_start_loc_cpu` locates each item's tokens)."""
+        query_lens = [n for _, _, n, _, _ in items]
+        if any(n != q for n in query_lens[:num_decodes]):
+            raise ValueError(f"every verify row runs q={q} tokens, got {query_lens[:num_decodes]}")
+        ids = [t for toks, c, n, _, _ in items for t in toks[c : c + n]]
+        md = build_metadata(
+            query_lens, [c for _, c, _, _, _ in items], num_decodes,
+            [slot for *_, slot, _ in items], [blocks for *_, blocks in items], self.cache.block_size, self.device,
+        )
+        md.num_spec_decodes = num_decodes if q > 1 else 0
+        md.num_spec_decode_tokens = num_decodes * q if q > 1 else 0
+        ctx = ForwardContext({p: md for p in self.prefixes}, md.positions, CUDAGraphMode.NONE)
+        return self.model(torch.tensor(ids, dtype=torch.int64, device=self.device), ctx, self.cache), md
+
+    def commit_verify(self, slots: list[int], accepted: list[int]) -> None:
+        """Advance every KDA layer's state of `slots` over its first `accepted` verified tokens."""
+        from ..model.kda import KimiDeltaAttention
+
+        for state in self.cache.kda.values():
+            KimiDeltaAttention.commit(state, slots, accepted)
+
     # ----------------------------------------------------------------- graphs
     def graph_size(self, num_items: int, num_decodes: int) -> int | None:
         """The captured size a step of `num_items` sequences replays, or None (eager)."""

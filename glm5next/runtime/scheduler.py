@@ -166,6 +166,10 @@ class Scheduler:
         """Running requests, oldest admission first."""
         self.requests: dict[str, Request] = {}
         """Unfinished requests by id."""
+        self.verify_tokens = 1
+        """Tokens each decoding request runs per step (1 + speculative tokens)."""
+        self.lookahead = 0
+        """Cache positions reserved past a decode's tokens (room for draft-layer writes)."""
 
     @property
     def has_unfinished(self) -> bool:
@@ -180,7 +184,7 @@ class Scheduler:
         if not request.prompt_token_ids or not isinstance(request.max_tokens, int) or request.max_tokens < 1:
             raise ValueError(f"request {request.request_id!r}: needs a non-empty prompt and max_tokens >= 1")
         # The last sampled token is never run, so at most prompt + max_tokens - 1 tokens are cached.
-        most = request.num_prompt_tokens + request.max_tokens - 1
+        most = request.num_prompt_tokens + request.max_tokens - 1 + self.verify_tokens - 1 + self.lookahead
         bm = self.block_manager
         if bm.blocks_for(most) > bm.num_blocks:
             raise ValueError(
@@ -195,13 +199,13 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget >= self.verify_tokens:
             req = self.running[i]
             if req.is_decode:
                 if not self._reserve_decode(req, out):
                     break  # it was the youngest and preempted itself
                 out.decodes.append(req)
-                budget -= 1
+                budget -= self.verify_tokens
             i += 1
         scheduled = set(map(id, out.decodes))
         for req in list(self.running):
@@ -229,20 +233,26 @@ class Scheduler:
             budget -= n
         return out
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update(self, output: SchedulerOutput, sampled: dict[str, int | list[int]]) -> list[Request]:
         """Advance every request of `output` by its tokens, append the tokens sampled for
-        those whose computed tokens now cover `token_ids`, and return the requests that finished."""
+        those whose computed tokens now cover `token_ids`, and return the requests that finished.
+
+        A verifying decode may gain several tokens (its accepted drafts, then one more): its caches
+        are then valid for its last token and the accepted drafts, so it advances by that many."""
         finished = []
+        decodes = set(map(id, output.decodes))
         for req, n in output.scheduled:
             if req.state is not RequestState.RUNNING:
                 continue  # aborted between schedule() and update()
-            req.num_computed += n
+            got = sampled.get(req.request_id)
+            tokens = got if isinstance(got, list) else ([] if got is None else [got])
+            req.num_computed += len(tokens) if id(req) in decodes and len(tokens) > 1 else n
             if req.num_computed < len(req.token_ids):
                 continue  # prefill not complete: nothing to sample yet
-            if req.request_id not in sampled:
+            if not tokens:
                 raise KeyError(f"request {req.request_id!r} completed its tokens but no token was sampled for it")
-            token = sampled[req.request_id]
-            req.token_ids.append(token)
+            req.token_ids.extend(tokens)
+            token = tokens[-1]
             if token in self.eos_token_ids:
                 self._end(req, RequestState.FINISHED, "stop")
             elif len(req.token_ids) - req.num_prompt_tokens >= req.max_tokens:
@@ -285,11 +295,13 @@ class Scheduler:
         return victim
 
     def _reserve_decode(self, req: Request, out: SchedulerOutput) -> bool:
-        """Whether `req` got room for one more token, preempting the youngest running requests for it."""
-        while not self.block_manager.can_allocate(req, req.num_computed + 1):
+        """Whether `req` got room for its next step's tokens (and the lookahead), preempting the youngest
+        running requests for it."""
+        need = req.num_computed + self.verify_tokens + self.lookahead
+        while not self.block_manager.can_allocate(req, need):
             if self._preempt(out) is req:
                 return False
-        self.block_manager.allocate(req, req.num_computed + 1)
+        self.block_manager.allocate(req, need)
         return True
 
     def _fit_prefill(self, req: Request, n: int, scheduled: set[int], out: SchedulerOutput) -> int:

@@ -105,6 +105,7 @@ class OpenAIApp:
         self.router = Router()
         self.router.add("GET", "/health", self.health)
         self.router.add("GET", "/v1/models", self.models)
+        self.router.add("GET", "/metrics", self.metrics)
         self.router.add("POST", "/v1/completions", self.completions)
         self.router.add("POST", "/v1/chat/completions", self.chat)
         self._token_text: dict[int, str] = {}
@@ -118,6 +119,25 @@ class OpenAIApp:
         if self.engine.errored:
             raise ApiError(503, "the engine stopped")
         return Response(200, b"", "text/plain; charset=utf-8")
+
+    async def metrics(self, req: Request) -> Response:
+        """Engine counters in the Prometheus text format, speculative decoding's acceptance included."""
+        core = getattr(self.engine, "engine", None)
+        stats = dict(getattr(core, "stats", {}) or {})
+        lines = []
+        for key in ("steps", "graph_steps", "prompt_tokens", "generated_tokens", "preemptions"):
+            if key in stats:
+                lines += [f"# TYPE glm5next_{key}_total counter", f"glm5next_{key}_total {stats[key]}"]
+        lines += ["# TYPE glm5next_requests_running gauge", f"glm5next_requests_running {self.engine.num_unfinished()}"]
+        if core is not None and getattr(core, "spec", None):
+            m = core.spec_metrics()
+            lines += ["# TYPE glm5next_spec_acceptance_rate gauge", f"glm5next_spec_acceptance_rate {m['acceptance_rate']}",
+                      "# TYPE glm5next_spec_mean_accepted_length gauge",
+                      f"glm5next_spec_mean_accepted_length {m['mean_accepted_length']}",
+                      "# TYPE glm5next_spec_acceptance_by_position gauge"]
+            lines += [f'glm5next_spec_acceptance_by_position{{position="{i}"}} {a}'
+                      for i, a in enumerate(m["acceptance_by_position"])]
+        return Response(200, ("\n".join(lines) + "\n").encode(), "text/plain; version=0.0.4; charset=utf-8")
 
     async def models(self, req: Request) -> Response:
         card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "glm5next",

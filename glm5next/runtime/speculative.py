@@ -1,0 +1,166 @@
+"""MTP speculative decoding: the switch, the drafter, and the acceptance rules.
+
+Each step verifies q = k + 1 tokens per decoding request: its last accepted token and k drafts.
+Greedy requests accept the longest prefix of drafts equal to the target's choices, then the
+target's next token. Sampled requests use the standard rejection rule (accept a draft d with
+probability min(1, p(d) / q(d)); on a rejection draw from the normalised max(p - q, 0); after k
+acceptances draw a bonus token from p), so every output token is distributed as the target's.
+
+The MTP layer drafts from the trunk's post-norm hidden state at position i and the embedding of the
+token at i + 1. After every trunk step it first catches up over the positions whose next token is
+now known (the accepted tokens, or a prefill chunk), writing its own DSA cache there; the output at
+the last position is the first draft. Each further draft feeds the previous draft hidden state and
+the embedding of the previous draft, reusing the first draft step's indexer selection.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+
+from .metadata import ForwardContext, build_metadata
+from .sampler import SamplingParams, filtered_probs
+
+MAX_SPECULATIVE_TOKENS = 5
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`{"method": "mtp", "num_speculative_tokens": k}`, as vLLM users write it."""
+
+    method: str
+    num_speculative_tokens: int
+
+    @classmethod
+    def parse(cls, value) -> "SpeculativeConfig | None":
+        """None, a dict, a JSON string or a SpeculativeConfig; a ValueError names what is wrong."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError("speculative_config must be an object like {\"method\": \"mtp\", \"num_speculative_tokens\": 2}")
+        unknown = sorted(set(value) - {"method", "num_speculative_tokens"})
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {unknown} (known: method, num_speculative_tokens)")
+        method = value.get("method")
+        if method != "mtp":
+            raise ValueError(f"speculative_config.method={method!r}: only 'mtp' (the checkpoint's draft layer) exists")
+        k = value.get("num_speculative_tokens", 1)
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config.num_speculative_tokens={k!r} must be an integer in "
+                             f"[1, {MAX_SPECULATIVE_TOKENS}]")
+        return cls(method, k)
+
+
+@dataclass
+class DraftRow:
+    """One request's MTP catch-up: positions start .. start + n - 1, whose next tokens are known."""
+
+    slot: int
+    blocks: list[int]
+    start: int
+    hidden: torch.Tensor
+    """[n, D] the trunk's post-norm hidden states at those positions."""
+    next_tokens: list[int]
+    """[n] the token at each position + 1."""
+    params: SamplingParams | None
+    """The request's sampling parameters when it wants drafts now (its prompt is complete), else None."""
+    generator: torch.Generator | None = None
+    request_id: str = ""
+
+
+class MtpDrafter:
+    """Runs the model's MTP layer over the paged cache's MTP layer to propose k tokens per request."""
+
+    def __init__(self, model, cache, k: int) -> None:
+        if model.mtp is None:
+            raise ValueError("speculative_config method 'mtp' needs a checkpoint with an MTP layer; this one has none")
+        self.model, self.cache, self.k = model, cache, k
+        self.prefix = model.mtp.self_attn.prefix
+        self.device = model.embed_tokens.device
+
+    def _ctx(self, md) -> ForwardContext:
+        return ForwardContext({self.prefix: md}, md.positions)
+
+    def _capacity(self, row: DraftRow) -> int:
+        return len(row.blocks) * self.cache.block_size
+
+    @torch.inference_mode()
+    def draft(self, rows: list[DraftRow]) -> list[tuple[list[int], torch.Tensor | None] | None]:
+        """Per row: (k draft tokens, their draft probabilities [k, vocab] for sampled requests, else
+        None), or None for rows that want no drafts. Writes the MTP cache at every position it runs."""
+        if not rows:
+            return []
+        md = build_metadata([len(r.next_tokens) for r in rows], [r.start for r in rows], 0,
+                            [r.slot for r in rows], [r.blocks for r in rows], self.cache.block_size, self.device)
+        emb = self.model.embed(torch.tensor([t for r in rows for t in r.next_tokens], device=self.device))
+        hidden = torch.cat([r.hidden for r in rows])
+        out, sel = self.model.mtp(emb, hidden, self._ctx(md), self.cache, return_selection=True)
+        want = [i for i, r in enumerate(rows) if r.params is not None]
+        results: list = [None] * len(rows)
+        if not want:
+            return results
+        last = torch.tensor([md.query_start_loc_cpu[i + 1] - 1 for i in want], device=self.device)
+        h, sel = out[last], sel[last]
+        drafts = {i: [] for i in want}
+        probs = {i: [] for i in want}
+        for j in range(self.k):
+            logits = self.model.compute_logits(h)
+            toks = []
+            for row_i, i in enumerate(want):
+                p = rows[i].params
+                if p.greedy:
+                    toks.append(int(logits[row_i].argmax()))
+                else:
+                    q = filtered_probs(logits[row_i], p)
+                    toks.append(int(torch.multinomial(q.cpu(), 1, generator=rows[i].generator)))
+                    probs[i].append(q)
+                drafts[i].append(toks[-1])
+            if j + 1 == self.k:
+                break
+            # The next draft: position last + j + 1, fed the draft hidden state and the draft token.
+            pos = [rows[i].start + len(rows[i].next_tokens) + j for i in want]
+            fits = [p < self._capacity(rows[i]) for p, i in zip(pos, want)]
+            dmd = build_metadata([1] * len(want), pos, len(want), [rows[i].slot if f else -1 for i, f in zip(want, fits)],
+                                 [rows[i].blocks for i in want], self.cache.block_size, self.device)
+            emb = self.model.embed(torch.tensor(toks, device=self.device))
+            h = self.model.mtp(emb, h, self._ctx(dmd), self.cache, selection=sel)
+        for i in want:
+            results[i] = (drafts[i], torch.stack(probs[i]) if probs[i] else None)
+        return results
+
+
+def accept_greedy(target_logits: torch.Tensor, drafts: list[int]) -> list[int]:
+    """The longest prefix of `drafts` equal to the target's argmax choices, then the target's next token."""
+    choice = target_logits.argmax(-1).tolist()
+    n = 0
+    while n < len(drafts) and drafts[n] == choice[n]:
+        n += 1
+    return drafts[:n] + [choice[n]]
+
+
+def accept_sampled(target_logits: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor, params: SamplingParams,
+                   generator: torch.Generator) -> list[int]:
+    """The rejection rule: accepted drafts, then a corrected or bonus token drawn from the target."""
+    out = []
+    for j, d in enumerate(drafts):
+        p = filtered_probs(target_logits[j], params).cpu()
+        q = draft_probs[j].cpu()
+        u = float(torch.rand((), generator=generator))
+        if q[d] > 0 and u * float(q[d]) < float(p[d]):
+            out.append(d)
+            continue
+        residual = (p - q).clamp(min=0)
+        if float(residual.sum()) <= 0:
+            residual = p
+        out.append(int(torch.multinomial(residual / residual.sum(), 1, generator=generator)))
+        return out
+    p = filtered_probs(target_logits[len(drafts)], params).cpu()
+    out.append(int(torch.multinomial(p, 1, generator=generator)))
+    return out

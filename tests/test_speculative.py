@@ -1,0 +1,181 @@
+"""MTP speculative decoding on the small model (fp32, CPU): greedy output with speculation is the
+output without it, token for token, for k = 1..5 — with the real draft layer (which a random model
+never agrees with) and with an oracle drafter that is right at most positions, so drafts are
+accepted, partly accepted and rejected; the KDA rollback invariants; the rejection rule's output
+distribution is the target's."""
+
+import pytest
+import torch
+
+from glm5next.model.kda import KimiDeltaAttention
+from glm5next.runtime.cache import ModelCache
+from glm5next.runtime.engine_core import LLMEngine
+from glm5next.runtime.metadata import build_metadata
+from glm5next.runtime.sampler import SamplingParams
+from glm5next.runtime.speculative import SpeculativeConfig, accept_sampled
+from glm5next.tokenizer import Tokenizer
+
+
+def workload():
+    """Mixed prompt lengths and max_tokens, so requests finish at different steps."""
+    return [(f"r{i}", [(11 * i + 7 * j) % 250 for j in range(2 + 9 * i)],
+             SamplingParams(temperature=0, max_tokens=6 + 7 * i, ignore_eos=True)) for i in range(4)]
+
+
+def run(model, tiny_dir, spec=None, oracle=None, **kw):
+    kw.setdefault("max_model_len", 256)
+    engine = LLMEngine.from_model(model, Tokenizer.from_dir(tiny_dir), max_num_seqs=8, speculative_config=spec, **kw)
+    if oracle is not None:
+        real = engine.drafter.draft
+
+        def draft(rows):  # the real layer runs (its cache writes), then the oracle's tokens replace its own
+            out = real(rows)
+            for row, res in zip(rows, out):
+                if res is not None:
+                    done = len(engine._live[row.request_id].request.output_token_ids)
+                    want = oracle[row.request_id]
+                    res[0][:] = [want[done + j] if done + j < len(want) and (done + j) % 5 != 3 else 0
+                                 for j in range(len(res[0]))]
+            return out
+
+        engine.drafter.draft = draft
+    for rid, prompt, params in workload():
+        engine.add_request(rid, prompt, params)
+    final = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                final[o.request_id] = o.outputs[0].token_ids
+    bm = engine.scheduler.block_manager
+    assert bm.free_blocks == bm.num_blocks and bm.free_slots == bm.num_slots
+    return final, engine
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_fp32, tiny_dir):
+    return run(tiny_fp32, tiny_dir)[0]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
+def test_greedy_with_speculation_equals_without(tiny_fp32, tiny_dir, plain, k):
+    spec = {"method": "mtp", "num_speculative_tokens": k}
+    got, engine = run(tiny_fp32, tiny_dir, spec)
+    assert got == plain
+    assert engine.stats["verify_rows"] > 0
+    got, engine = run(tiny_fp32, tiny_dir, spec, oracle=plain)
+    assert got == plain
+    m = engine.spec_metrics()
+    assert 0 < m["acceptance_rate"] < 1 and m["mean_accepted_length"] > 1.3, m
+
+
+def test_speculation_through_preemption(tiny_fp32, tiny_dir, plain):
+    got, engine = run(tiny_fp32, tiny_dir, {"method": "mtp", "num_speculative_tokens": 2}, oracle=plain,
+                      block_size=4, num_blocks=22, max_model_len=64)
+    assert got == plain and engine.stats["preemptions"] > 0
+
+
+def test_kda_verify_reads_only_and_commit_advances_over_accepted_tokens(tiny_fp32):
+    kda, cfg = tiny_fp32.layers[0].self_attn, tiny_fp32.config
+    x = torch.randn(12, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    caches = [ModelCache(cfg, 8, 16, 2, torch.float32, "cpu", include_mtp=False, verify_tokens=4) for _ in range(2)]
+    for c in caches:
+        kda(x[:8], build_metadata([8], [0], 0, [1], [[0]], 16, "cpu"), c.kda[0])
+    seq, ver = caches[0].kda[0], caches[1].kda[0]
+    steps = []
+    for j in range(3):  # the same tokens one at a time
+        steps.append(kda(x[8 + j : 9 + j], build_metadata([1], [8 + j], 1, [1], [[0]], 16, "cpu"), seq))
+        steps[-1] = (steps[-1], seq.conv[1].clone(), seq.recurrent[1].clone())
+    before = (ver.conv.clone(), ver.recurrent.clone())
+    out = kda(x[8:11], build_metadata([3], [8], 1, [1], [[0]], 16, "cpu"), ver)
+    assert torch.equal(ver.conv, before[0]) and torch.equal(ver.recurrent, before[1])  # a verify only reads
+    torch.testing.assert_close(out, torch.cat([s[0] for s in steps]), rtol=1e-5, atol=1e-6)
+    for n in (1, 2, 3):
+        KimiDeltaAttention.commit(ver, [1], [n])
+        torch.testing.assert_close(ver.conv[1], steps[n - 1][1], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ver.recurrent[1], steps[n - 1][2], rtol=1e-5, atol=1e-6)
+        committed = ver.recurrent[1].clone()
+        ver.conv.copy_(before[0])
+        ver.recurrent.copy_(before[1])
+        KimiDeltaAttention.commit(ver, [1], [n])
+        assert torch.equal(ver.recurrent[1], committed)  # commit is a function of what the verify left
+        if n < 3:  # counter-example: advancing over every verified token is not the rollback
+            KimiDeltaAttention.commit(ver, [1], [3])
+            assert not torch.equal(ver.recurrent[1], committed)
+        ver.conv.copy_(before[0])
+        ver.recurrent.copy_(before[1])
+    assert torch.equal(ver.recurrent[0], before[1][0])  # another slot is never touched
+
+
+def test_rejection_rule_keeps_the_target_distribution():
+    g = torch.Generator().manual_seed(0)
+    vocab, k, trials = 6, 2, 12000
+    target = torch.randn(k + 1, vocab, generator=g) * 1.5
+    draft_probs = torch.softmax(torch.randn(k, vocab, generator=g) * 1.5, -1)
+    params = SamplingParams(temperature=1.0)
+    first = torch.zeros(vocab)
+    second = torch.zeros(vocab)
+    for _ in range(trials):
+        drafts = [int(torch.multinomial(draft_probs[j], 1, generator=g)) for j in range(k)]
+        out = accept_sampled(target, drafts, draft_probs, params, g)
+        first[out[0]] += 1
+        if len(out) > 1 and drafts[0] == out[0]:
+            second[out[1]] += 1
+    p0 = torch.softmax(target[0], -1)
+    p1 = torch.softmax(target[1], -1)
+    for counts, p in ((first, p0), (second, p1)):
+        n = counts.sum()
+        chi2 = float(((counts - n * p) ** 2 / (n * p)).sum())
+        assert chi2 < 25.0, (chi2, counts / n, p)  # 5 degrees of freedom: p < 1e-4 under the null
+    bad = torch.zeros(vocab)
+    for _ in range(2000):  # counter-example: always accepting the drafts gives the draft's distribution
+        bad[int(torch.multinomial(draft_probs[0], 1, generator=g))] += 1
+    assert float(((bad - 2000 * p0) ** 2 / (2000 * p0)).sum()) > 25.0
+
+
+@pytest.mark.parametrize(
+    "value,match",
+    [({"method": "eagle", "num_speculative_tokens": 2}, "only 'mtp'"), ({"method": "mtp", "num_speculative_tokens": 9},
+     "num_speculative_tokens"), ({"method": "mtp", "k": 2}, "unknown keys"), ("{bad", "not valid JSON")],
+    ids=["method", "too-many-tokens", "unknown-key", "bad-json"],
+)
+def test_speculative_config_is_validated(value, match):
+    with pytest.raises(ValueError, match=match):
+        SpeculativeConfig.parse(value)
+
+
+def test_speculation_needs_an_mtp_layer(tmp_path):
+    from glm5next.checkpoint.writer import make_tiny_checkpoint
+
+    make_tiny_checkpoint(str(tmp_path), with_mtp=False)
+    with pytest.raises(ValueError, match="MTP layer"):
+        LLMEngine(str(tmp_path), dtype="float32", device="cpu", max_model_len=64, progress=False,
+                  speculative_config='{"method": "mtp", "num_speculative_tokens": 1}')
+
+
+def test_cli_generate_prints_the_acceptance(tiny_dir, capsys):
+    from glm5next.cli import main
+
+    assert main(["generate", "--model", tiny_dir, "--prompt", "hi", "--max-tokens", "4", "--dtype", "float32",
+                 "--device", "cpu", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 3}']) == 0
+    assert "speculative (mtp, k=3): acceptance" in capsys.readouterr().out
+
+
+def test_bench_end_to_end_with_speculation(tmp_path):
+    import json
+
+    from glm5next.cli import main
+
+    out = tmp_path / "b.json"
+    assert main(["bench", "--small", "--device", "cpu", "--tokens", "1", "--concurrency", "2", "--gen-len", "6",
+                 "--prompt-len", "8", "--context", "32", "--eager-iters", "1", "--skip-eager",
+                 "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}', "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["e2e"][0]
+    assert row["output_tokens"] == 12 and row["speculative"]["num_speculative_tokens"] == 2
+
+
+def test_verify_scratch_is_counted_in_the_cache_budget(tiny_fp32):
+    cfg = tiny_fp32.config
+    cache = ModelCache(cfg, 4, 16, 3, torch.float32, "cpu", include_mtp=True, verify_tokens=3)
+    kda_bytes = sum(t.numel() * t.element_size() for s in cache.kda.values()
+                    for t in [s.conv, s.recurrent, *s.verify.values()])
+    assert kda_bytes == 4 * ModelCache.bytes_per_slot(cfg, torch.float32, verify_tokens=3)
