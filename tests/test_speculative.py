@@ -22,9 +22,10 @@ def workload():
              SamplingParams(temperature=0, max_tokens=6 + 7 * i, ignore_eos=True)) for i in range(4)]
 
 
-def run(model, tiny_dir, spec=None, oracle=None, **kw):
+def run(model, tiny_dir, spec=None, oracle=None, graph_mode=False, **kw):
     kw.setdefault("max_model_len", 256)
     engine = LLMEngine.from_model(model, Tokenizer.from_dir(tiny_dir), max_num_seqs=8, speculative_config=spec, **kw)
+    engine.runner.graph_mode = graph_mode  # pure verify steps through the captured path's static buffers
     if oracle is not None:
         real = engine.drafter.draft
 
@@ -66,6 +67,16 @@ def test_greedy_with_speculation_equals_without(tiny_fp32, tiny_dir, plain, k):
     assert got == plain
     m = engine.spec_metrics()
     assert 0 < m["acceptance_rate"] < 1 and m["mean_accepted_length"] > 1.3, m
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_verify_steps_through_the_captured_path(tiny_fp32, tiny_dir, plain, k):
+    """The CPU has no graphs: pure verify steps run the static-buffer path a capture records (whole
+    requests of q tokens, padding rows with slot -1), eagerly."""
+    got, engine = run(tiny_fp32, tiny_dir, {"method": "mtp", "num_speculative_tokens": k}, oracle=plain,
+                      graph_mode=True)
+    assert got == plain
+    assert engine.stats["graph_steps"] > 0 and all(s % (k + 1) == 0 for s in engine.runner.capture_sizes)
 
 
 def test_speculation_through_preemption(tiny_fp32, tiny_dir, plain):

@@ -96,7 +96,7 @@ def run_specialized(opts: StockOptions, policy_path: str | None) -> dict:
         items = _items(m, opts.context, blocks, config.vocab_size, opts.seed)
         snapshot = [x.clone() for x in cache.tensors()]
         runner.load_decode(items, m)
-        graph, logits = runner.graphs[m]
+        graph, logits, _ = runner.graphs[m]
         if True:  # exactness on this state: the planned replay vs the stock eager step
             graph.replay()
             got = logits[:m].clone()

@@ -120,6 +120,9 @@ class LLMEngine:
             raise ValueError(f"max_model_len={self.max_model_len} must be in [2, max_position_embeddings="
                              f"{self.config.max_position_embeddings}]")
         self.capture_sizes = check_capture_sizes(capture_sizes)
+        if self.spec:  # verify steps run q = k + 1 tokens per request: capture multiples of q
+            q = self.spec.num_speculative_tokens + 1
+            self.capture_sizes = tuple(sorted({q * max(1, s // q) for s in self.capture_sizes}))
         self.plan = plan_cache(
             self.model, self.max_model_len, block_size, max_num_seqs, max_num_batched_tokens, num_blocks,
             gpu_memory_utilization, self.capture_sizes[-1] if not enforce_eager else 0, include_mtp=bool(self.spec),
@@ -132,9 +135,9 @@ class LLMEngine:
                                 include_mtp=bool(self.spec), verify_tokens=k + 1 if k else 0)
         from ..specialized_decode import build_executor
 
-        self.executor = build_executor(self.model, decode_backend, policy, self.capture_sizes, enforce_eager)
-        self.runner = Runner(self.model, self.cache, self.max_model_len, self.capture_sizes, self.executor)
-        if self.device.type == "cuda" and not enforce_eager and not self.spec:
+        self.executor = build_executor(self.model, decode_backend, policy, self.capture_sizes, enforce_eager, k + 1)
+        self.runner = Runner(self.model, self.cache, self.max_model_len, self.capture_sizes, self.executor, k + 1)
+        if self.device.type == "cuda" and not enforce_eager:
             self.runner.capture()
         self.scheduler = Scheduler(BlockManager(self.plan.num_blocks, max_num_seqs, block_size), max_num_seqs,
                                    max_num_batched_tokens)

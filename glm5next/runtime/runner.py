@@ -64,25 +64,27 @@ class _StaticInputs:
         start = len(self.FIELDS) * size
         self.views["block_tables"] = self.device_buf[start:].view(size, max_blocks)
 
-    def metadata(self, n: int) -> AttnMetadata:
-        """Decode metadata of `n` rows over the first n rows of every buffer."""
-        v = self.views
+    def metadata(self, n: int, q: int = 1) -> AttnMetadata:
+        """Decode metadata of `n` tokens, q per row, over the first rows of every buffer."""
+        v, rows = self.views, n // q
         return AttnMetadata(
-            num_prefills=0, num_prefill_tokens=0, num_decodes=n, num_decode_tokens=n,
+            num_prefills=0, num_prefill_tokens=0, num_decodes=rows, num_decode_tokens=n,
             positions=v["positions"][:n], token_to_seq=v["token_to_seq"][:n], slot_mapping=v["slot_mapping"][:n],
-            state_indices=v["state_indices"][:n], block_tables=v["block_tables"][:n], seq_lens=v["seq_lens"][:n],
+            state_indices=v["state_indices"][:rows], block_tables=v["block_tables"][:rows], seq_lens=v["seq_lens"][:rows],
+            num_spec_decodes=rows if q > 1 else 0, num_spec_decode_tokens=n if q > 1 else 0,
         )
+
+    TOKEN_FIELDS = ("input_ids", "positions", "token_to_seq", "slot_mapping")
 
     def load(self, ids: list[int], md: AttnMetadata) -> None:
         """Write one step's decode inputs (host metadata built for the padded size) and copy them over."""
-        n = md.num_decodes
-        h = self.host_buf
-        s = self.size
-        h[:n] = torch.tensor(ids, dtype=torch.int64)
+        h, s = self.host_buf, self.size
+        h[: len(ids)] = torch.tensor(ids, dtype=torch.int64)
         for i, name in enumerate(self.FIELDS[1:], start=1):
+            n = md.num_decode_tokens if name in self.TOKEN_FIELDS else md.num_decodes
             h[i * s : i * s + n] = getattr(md, name)
         tables = h[len(self.FIELDS) * s :].view(s, self.max_blocks)
-        tables[:n] = md.block_tables
+        tables[: md.num_decodes] = md.block_tables
         self.device_buf.copy_(h, non_blocking=True)
 
 
@@ -100,6 +102,7 @@ class Runner:
         max_model_len: int | None = None,
         capture_sizes=DEFAULT_CAPTURE_SIZES,
         executor=None,
+        verify_tokens: int = 1,
     ) -> None:
         self.model = model
         self.executor = executor
@@ -107,10 +110,16 @@ class Runner:
         self.cache = cache
         self.device = model.embed_tokens.device
         self.prefixes = [layer.self_attn.prefix for layer in model.layers]
-        self.capture_sizes = check_capture_sizes(capture_sizes)
+        self.q = verify_tokens
+        """Tokens per decoding row in captured steps: 1, or q = k + 1 under speculative decoding."""
+        self.capture_sizes = tuple(s for s in check_capture_sizes(capture_sizes) if s % verify_tokens == 0)
+        if not self.capture_sizes:
+            raise ValueError(f"no capture size in {list(capture_sizes)} is a multiple of the {verify_tokens} "
+                             f"tokens each verify row runs")
         max_model_len = max_model_len or model.config.max_position_embeddings
         self.max_blocks = -(-max_model_len // cache.block_size)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        """Token count -> (graph, its fp32 logits [tokens, vocab], its post-norm hidden states [tokens, D])."""
         self.static: _StaticInputs | None = None
         self.graph_mode = False
         """Run graph-eligible steps eagerly, but as a capture would (static shapes, FULL mode)."""
@@ -190,48 +199,67 @@ class Runner:
 
     # ----------------------------------------------------------------- graphs
     def graph_size(self, num_items: int, num_decodes: int) -> int | None:
-        """The captured size a step of `num_items` sequences replays, or None (eager)."""
+        """The captured token count a step of `num_items` decoding sequences (q tokens each) replays,
+        or None (eager)."""
         if num_decodes != num_items or num_items == 0:
             return None
-        return next((s for s in self.capture_sizes if s >= num_items), None)
+        return next((s for s in self.capture_sizes if s >= num_items * self.q), None)
 
     def _ensure_static(self) -> _StaticInputs:
         if self.static is None:
             self.static = _StaticInputs(self.capture_sizes[-1], self.max_blocks, self.device)
         return self.static
 
-    def _forward(self, size: int, capturing: bool) -> torch.Tensor:
-        """The decode forward of `size` rows over the static buffers, to fp32 logits; planned by the
-        executor when `capturing` (a capture, or a step declared as one) and it accepts the step."""
+    def _forward(self, size: int, capturing: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode forward of `size` tokens over the static buffers: (fp32 logits, post-norm hidden
+        states); planned by the executor when `capturing` (a capture, or a step declared as one) and it
+        accepts the step."""
         st = self._ensure_static()
-        md = st.metadata(size)
+        md = st.metadata(size, self.q)
         ctx = ForwardContext({p: md for p in self.prefixes}, md.positions, CUDAGraphMode.FULL, capturing)
         ids = st.views["input_ids"][:size]
         step = self.executor.plan(ctx, size) if self.executor is not None else None
         if step is not None:
-            return self.executor.compute_logits(self.executor.run(step, ids))
-        return self.model.compute_logits(self.model(ids, ctx, self.cache))
+            hidden = self.executor.run(step, ids)
+            return self.executor.compute_logits(hidden), hidden
+        hidden = self.model(ids, ctx, self.cache)
+        return self.model.compute_logits(hidden), hidden
 
     @torch.inference_mode()
     def load_decode(self, items: list[Item], size: int) -> None:
-        """Fill the static buffers for `items` (one token each) padded to `size` rows."""
-        pad = size - len(items)
+        """Fill the static buffers for `items` (q tokens each) padded with whole rows to `size` tokens."""
+        q = self.q
+        pad = size // q - len(items)
         md = build_metadata(
-            [1] * size, [c for _, c, _, _, _ in items] + [0] * pad, size,
+            [q] * (size // q), [c for _, c, _, _, _ in items] + [0] * pad, size // q,
             [slot for *_, slot, _ in items] + [-1] * pad, [b for *_, b in items] + [[]] * pad,
             self.cache.block_size, "cpu", max_blocks=self.max_blocks,
         )
-        self._ensure_static().load([toks[c] for toks, c, _, _, _ in items] + [0] * pad, md)
+        ids = [t for toks, c, _, _, _ in items for t in toks[c : c + q]]
+        self._ensure_static().load(ids + [0] * (size - len(ids)), md)
 
-    def _decode_graph(self, items: list[Item], size: int) -> torch.Tensor:
+    def _replay(self, items: list[Item], size: int) -> tuple[torch.Tensor, torch.Tensor]:
         self.load_decode(items, size)
         if size in self.graphs:
-            graph, logits = self.graphs[size]
+            graph, logits, hidden = self.graphs[size]
             graph.replay()
             self.num_replays += 1
         else:
-            logits = self._forward(size, capturing=True)  # graph mode: run as the capture would
-        return logits[: len(items)]
+            logits, hidden = self._forward(size, capturing=True)  # graph mode: run as the capture would
+        n = len(items) * self.q
+        return logits[:n], hidden[:n]
+
+    def _decode_graph(self, items: list[Item], size: int) -> torch.Tensor:
+        return self._replay(items, size)[0]
+
+    @torch.inference_mode()
+    def verify_graph(self, items: list[Item]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A pure verify step (every item q tokens) replayed from its graph (or run as one in graph mode):
+        (fp32 logits, post-norm hidden states) of every token; None when no captured size fits."""
+        size = self.graph_size(len(items), len(items))
+        if size is None or not (self.graphs or self.graph_mode):
+            return None
+        return self._replay(items, size)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -250,6 +278,6 @@ class Runner:
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = self._forward(size, capturing=True)
-            self.graphs[size] = (graph, logits)
+                logits, hidden = self._forward(size, capturing=True)
+            self.graphs[size] = (graph, logits, hidden)
         torch.cuda.synchronize()

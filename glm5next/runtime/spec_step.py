@@ -29,10 +29,16 @@ def spec_step(engine) -> list:
     live_of = engine._live
     items = [(r.token_ids + live_of[r.request_id].drafts, r.num_computed, q, r.slot, r.block_ids) for r in out.decodes]
     items += [(r.token_ids, r.num_computed, n, r.slot, r.block_ids) for r, n in out.prefills]
-    with torch.inference_mode():
-        hidden, md = runner.execute_verify(items, len(out.decodes), q)
+    replayed = None if out.prefills else runner.verify_graph(items)
+    if replayed is not None:  # a pure verify step of a captured size
+        all_logits, hidden = replayed
+        starts = [i * q for i in range(len(items) + 1)]
+        engine.stats["graph_steps"] += 1
+    else:
+        with torch.inference_mode():
+            hidden, md = runner.execute_verify(items, len(out.decodes), q)
+        all_logits, starts = None, md.query_start_loc_cpu
     engine.stats["steps"] += 1
-    starts = md.query_start_loc_cpu
     new: dict[str, list[int]] = {}
     rows: list[DraftRow] = []
     slots, counts = [], []
@@ -40,7 +46,7 @@ def spec_step(engine) -> list:
         for i, r in enumerate(out.decodes):
             live = live_of[r.request_id]
             a, b = starts[i], starts[i + 1]
-            logits = engine.model.compute_logits(hidden[a:b])
+            logits = all_logits[a:b] if all_logits is not None else engine.model.compute_logits(hidden[a:b])
             if live.params.greedy:
                 toks = accept_greedy(logits, live.drafts)
             else:

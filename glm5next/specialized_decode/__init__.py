@@ -17,9 +17,10 @@ logger = logging.getLogger(__name__)
 DECODE_BACKENDS = ("auto", "specialized", "stock")
 
 
-def build_executor(model, backend: str, policy_path: str | None, capture_sizes, enforce_eager: bool):
+def build_executor(model, backend: str, policy_path: str | None, capture_sizes, enforce_eager: bool, q: int = 1):
     """The executor the runner plans captured decode steps with, or None (stock).
 
+    `q`: tokens per decoding row in captured steps (k + 1 under speculative decoding).
     'auto' picks the specialized executor on a GPU for which a measured policy ships (or one is
     given), stock otherwise; 'specialized' insists (an error names what is missing); 'stock' never.
     """
@@ -44,4 +45,4 @@ def build_executor(model, backend: str, policy_path: str | None, capture_sizes, 
         if backend == "specialized":
             logger.warning("decode_backend='specialized' with enforce_eager: nothing is captured, so nothing is planned")
         return None
-    return SpecializedDecode(model, policy, capture_sizes)
+    return SpecializedDecode(model, policy, capture_sizes, q)

@@ -72,3 +72,18 @@ def test_engine_through_graphs_equals_alone_in_fp32(tiny_dir):
     assert llm.engine.stats["graph_steps"] > 0
     for p, sp, t in zip(prompts, params, together):
         assert llm.generate(p, sp, use_tqdm=False)[0].outputs[0].token_ids == t.outputs[0].token_ids
+
+
+def test_speculative_verify_graphs_equal_plain_decoding_in_fp32(tiny_dir):
+    from glm5next import LLM, SamplingParams
+
+    prompts = [f"spec {i} " * (1 + i % 3) for i in range(5)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    plain = LLM(tiny_dir, dtype="float32", device="cuda", max_model_len=256, max_num_seqs=8, progress=False)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    del plain
+    spec = LLM(tiny_dir, dtype="float32", device="cuda", max_model_len=256, max_num_seqs=8, progress=False,
+               speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    assert spec.engine.runner.graphs and all(s % 3 == 0 for s in spec.engine.runner.graphs)
+    got = [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
+    assert got == want and spec.engine.stats["graph_steps"] > 0
