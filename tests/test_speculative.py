@@ -190,3 +190,40 @@ def test_verify_scratch_is_counted_in_the_cache_budget(tiny_fp32):
     kda_bytes = sum(t.numel() * t.element_size() for s in cache.kda.values()
                     for t in [s.conv, s.recurrent, *s.verify.values()])
     assert kda_bytes == 4 * ModelCache.bytes_per_slot(cfg, torch.float32, verify_tokens=3)
+
+
+def test_draft_layer_runs_through_the_executor_stages(tiny_fp32, tiny_dir, plain, tmp_path):
+    """LayerStages serves the MTP layer too: its DSA projections and shared expert go through the
+    kernels (Triton interpreter here) at the policy's token counts; the output is unchanged."""
+    import json
+
+    from glm5next.specialized_decode import STAGES
+
+    path = tmp_path / "policy.json"
+    path.write_text(json.dumps({"tables": {s: {str(m): c[0] for m in range(1, 17)} for s, c in STAGES.items()}}))
+    got, engine = run(tiny_fp32, tiny_dir, {"method": "mtp", "num_speculative_tokens": 2}, oracle=plain,
+                      decode_backend="specialized", policy=str(path))
+    assert got == plain
+    stages = engine.executor.draft_stages
+    assert stages.calls > 0 and stages.shared and stages.projections.groups["dsa_proj"]
+
+
+def test_drafts_through_stages_equal_stock_drafts(tiny_fp32):
+    from glm5next.runtime.speculative import DraftRow, MtpDrafter
+    from glm5next.specialized_decode import STAGES, Policy, SpecializedDecode
+
+    policy = Policy({s: {str(m): c[0] for m in range(1, 17)} for s, c in STAGES.items()})
+    stages = SpecializedDecode(tiny_fp32, policy, (1, 2, 4, 8, 16), q=3).draft_stages
+    cfg = tiny_fp32.config
+    outs, caches = [], []
+    for st in (None, stages):
+        cache = ModelCache(cfg, 8, 16, 2, torch.float32, "cpu", verify_tokens=3)
+        rows = [DraftRow(0, [0, 1], 0, torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(1)),
+                         [3, 9, 27, 81, 243], SamplingParams(temperature=0), None, "a"),
+                DraftRow(1, [2, 3], 0, torch.randn(3, cfg.hidden_size, generator=torch.Generator().manual_seed(2)),
+                         [5, 6, 7], SamplingParams(temperature=0), None, "b")]
+        outs.append(MtpDrafter(tiny_fp32, cache, 3, st).draft(rows))
+        caches.append(cache.dsa[cfg.mtp_layer_idx].latent)
+    assert [o[0] for o in outs[0]] == [o[0] for o in outs[1]]
+    torch.testing.assert_close(caches[0], caches[1], rtol=1e-4, atol=1e-5)
+    assert stages.calls == 3  # the catch-up and two more draft steps

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..config import Glm5NextConfig
+from ..config import DSA, Glm5NextConfig
 from ..runtime.cache import ModelCache
 from ..runtime.metadata import CUDAGraphMode, ForwardContext
 from .dsa import SparseMLA
@@ -23,6 +23,8 @@ class MtpLayer(nn.Module):
         super().__init__()
         d, eps = config.hidden_size, config.rms_norm_eps
         self.layer_idx = config.mtp_layer_idx
+        self.layer_kind = DSA
+        self.mlp_is_moe = True
         self.prefix = f"layers.{self.layer_idx}"
         self.enorm = RMSNorm(d, eps)
         self.hnorm = RMSNorm(d, eps)

@@ -145,7 +145,8 @@ class LLMEngine:
         if self.spec:
             from .speculative import MtpDrafter
 
-            self.drafter = MtpDrafter(self.model, self.cache, k)
+            stages = self.executor.draft_stages if self.executor is not None else None
+            self.drafter = MtpDrafter(self.model, self.cache, k, stages)
             self.scheduler.verify_tokens, self.scheduler.lookahead = k + 1, k
             if max_num_batched_tokens < k + 1:
                 raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} cannot hold one {k + 1}-token verify")

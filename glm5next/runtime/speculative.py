@@ -16,6 +16,7 @@ the embedding of the previous draft, reusing the first draft step's indexer sele
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -78,15 +79,20 @@ class DraftRow:
 class MtpDrafter:
     """Runs the model's MTP layer over the paged cache's MTP layer to propose k tokens per request."""
 
-    def __init__(self, model, cache, k: int) -> None:
+    def __init__(self, model, cache, k: int, stages=None) -> None:
         if model.mtp is None:
             raise ValueError("speculative_config method 'mtp' needs a checkpoint with an MTP layer; this one has none")
         self.model, self.cache, self.k = model, cache, k
+        self.stages = stages
+        """The executor's `DraftStages`, through which the draft layer's projections and shared expert run."""
         self.prefix = model.mtp.self_attn.prefix
         self.device = model.embed_tokens.device
 
     def _ctx(self, md) -> ForwardContext:
         return ForwardContext({self.prefix: md}, md.positions)
+
+    def _stages(self, tokens: int):
+        return self.stages.routed(tokens) if self.stages is not None else nullcontext()
 
     def _capacity(self, row: DraftRow) -> int:
         return len(row.blocks) * self.cache.block_size
@@ -101,7 +107,8 @@ class MtpDrafter:
                             [r.slot for r in rows], [r.blocks for r in rows], self.cache.block_size, self.device)
         emb = self.model.embed(torch.tensor([t for r in rows for t in r.next_tokens], device=self.device))
         hidden = torch.cat([r.hidden for r in rows])
-        out, sel = self.model.mtp(emb, hidden, self._ctx(md), self.cache, return_selection=True)
+        with self._stages(emb.shape[0]):
+            out, sel = self.model.mtp(emb, hidden, self._ctx(md), self.cache, return_selection=True)
         want = [i for i, r in enumerate(rows) if r.params is not None]
         results: list = [None] * len(rows)
         if not want:
@@ -130,7 +137,8 @@ class MtpDrafter:
             dmd = build_metadata([1] * len(want), pos, len(want), [rows[i].slot if f else -1 for i, f in zip(want, fits)],
                                  [rows[i].blocks for i in want], self.cache.block_size, self.device)
             emb = self.model.embed(torch.tensor(toks, device=self.device))
-            h = self.model.mtp(emb, h, self._ctx(dmd), self.cache, selection=sel)
+            with self._stages(emb.shape[0]):
+                h = self.model.mtp(emb, h, self._ctx(dmd), self.cache, selection=sel)
         for i in want:
             results[i] = (drafts[i], torch.stack(probs[i]) if probs[i] else None)
         return results

@@ -11,6 +11,7 @@ or else the stock module. Every other step runs the stock forward.
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 
 import torch
 
@@ -127,6 +128,32 @@ class LayerStages:
         raise NotImplementedError("a TP-partial boundary needs tensor parallelism")
 
 
+class DraftStages(LayerStages):
+    """The MTP draft layer's stages: its DSA projections and its shared expert, at the token counts the
+    policy gives them (a plain pre-norm block: no mHC boundary)."""
+
+    def __init__(self, executor: "SpecializedDecode") -> None:
+        self.backbone, self.text_config, self.policy = executor.backbone, executor.text_config, executor.policy
+        self.batches = executor.batches
+        mtp = executor.backbone.mtp
+        self.layers_by_idx = {mtp.layer_idx: mtp}
+        self._build_stages([mtp])
+        self.boundary_stage = None
+        self.calls = 0
+        """Draft-layer forwards that ran with at least one stage routed."""
+
+    @contextmanager
+    def routed(self, tokens: int):
+        """Route the draft layer's stock calls to its stages for one `tokens`-row forward."""
+        table = self.routes(tokens)
+        self.calls += bool(table)
+        with routed(table):
+            try:
+                yield
+            finally:
+                self.projections.reset()
+
+
 class SpecializedDecode(LayerStages):
     """Built once the weights are loaded. Reads the backbone, never modifies it."""
 
@@ -142,6 +169,7 @@ class SpecializedDecode(LayerStages):
         self._build_stages(self.layers)
         self.head = None
         self.build_logits()
+        self.draft_stages = DraftStages(self) if backbone.mtp is not None else None
         self.cache = None
         self.planned_steps = 0
         """Steps `plan()` accepted (captures, or steps declared as captured)."""
