@@ -27,6 +27,34 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def capture(fn, warmups: int = 1) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `fn`, after `warmups` eager calls on a side stream (kernels compile and
+    allocations settle outside the capture)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmups):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def time_replays(graph, replays: int, warmup: int) -> list[float]:
+    """Milliseconds of each of `replays` back-to-back replays of `graph` after `warmup`, by CUDA events."""
+    for _ in range(warmup):
+        graph.replay()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
+    for start, end in events:
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) for s, e in events]
+
+
 def measure_read_bandwidth(device: torch.device | str, gib: float = 1.0, replays: int = 20, per_graph: int = 4) -> dict:
     """Read bandwidth (bytes/s) of a bf16 sum over a `gib` GiB random buffer.
 
@@ -53,29 +81,20 @@ def measure_read_bandwidth(device: torch.device | str, gib: float = 1.0, replays
         sec = statistics.median(times)
         return {"method": "cpu wall clock, bf16 sum", "buffer_bytes": _nbytes(buf), "seconds": sec,
                 "bytes_per_s": _nbytes(buf) / sec}
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            buf.sum(dtype=torch.float32)
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        sums = [buf.sum(dtype=torch.float32) for _ in range(per_graph)]
-    for _ in range(3):
-        graph.replay()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
-    for start, end in events:
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize(device)
-    sec = statistics.median(s.elapsed_time(e) for s, e in events) / 1e3 / per_graph
+    sums: list[torch.Tensor] = []
+
+    def probe() -> None:
+        sums.extend(buf.sum(dtype=torch.float32) for _ in range(per_graph))
+
+    graph = capture(probe, warmups=2)
+    sec = statistics.median(time_replays(graph, replays, 3)) / 1e3 / per_graph
     if not all(torch.isfinite(s).item() for s in sums):
         raise RuntimeError("the bandwidth probe summed to a non-finite value")
     out = {"method": f"bf16 sum kernel, {per_graph} per CUDA graph, median of {replays} replays",
            "buffer_bytes": _nbytes(buf), "seconds": sec, "bytes_per_s": _nbytes(buf) / sec}
-    del graph, sums, buf
+    del graph, probe
+    sums.clear()
+    buf = None  # the probe's closure shares this cell: the buffer is free now
     torch.cuda.empty_cache()
     return out
 

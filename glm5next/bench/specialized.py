@@ -19,8 +19,8 @@ from ..runtime.metadata import CUDAGraphMode, ForwardContext
 from ..runtime.runner import Runner
 from ..specialized_decode import Policy, SpecializedDecode
 from .stages import stage_cases, time_choice
-from .stock import StockOptions, _items, _release, _step_benchmarks, _versions, log, time_replays
-from .floor import measure_read_bandwidth
+from .stock import StockOptions, _items, _release, _step_benchmarks, _versions, log
+from .floor import capture, measure_read_bandwidth, time_replays
 from .slice import build_slice_model, fill_context, make_cache, slice_config
 
 FULL_LAYERS = {"kda_moe": 31, "dsa_moe": 11, "kda_dense": 3}
@@ -29,15 +29,7 @@ FULL_LAYERS = {"kda_moe": 31, "dsa_moe": 11, "kda_dense": 3}
 
 def _time_graph(fn, replays: int = 30) -> float:
     """Median milliseconds of replays of a graph capturing `fn` once."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return statistics.median(time_replays(graph, replays, 3))
+    return statistics.median(time_replays(capture(fn), replays, 3))
 
 
 def _layer_times(model, executor: SpecializedDecode, runner: Runner, m: int) -> dict:
@@ -97,18 +89,18 @@ def run_specialized(opts: StockOptions, policy_path: str | None) -> dict:
         snapshot = [x.clone() for x in cache.tensors()]
         runner.load_decode(items, m)
         graph, logits, _ = runner.graphs[m]
-        if True:  # exactness on this state: the planned replay vs the stock eager step
-            graph.replay()
-            got = logits[:m].clone()
-            for x, s in zip(cache.tensors(), snapshot):
-                x.copy_(s)
-            want = runner.execute(items, m, allow_graph=False)
-            rows[m]["specialized_vs_stock_rel_err"] = float((got - want).abs().max() / want.abs().max())
-            rows[m]["top1_agree"] = float((got.argmax(-1) == want.argmax(-1)).float().mean())
-            for x, s in zip(cache.tensors(), snapshot):
-                x.copy_(s)
-            del snapshot
-            runner.load_decode(items, m)
+        # Exactness on this state: the planned replay against the stock eager step.
+        graph.replay()
+        got = logits[:m].clone()
+        for x, s in zip(cache.tensors(), snapshot):
+            x.copy_(s)
+        want = runner.execute(items, m, allow_graph=False)
+        rows[m]["specialized_vs_stock_rel_err"] = float((got - want).abs().max() / want.abs().max())
+        rows[m]["top1_agree"] = float((got.argmax(-1) == want.argmax(-1)).float().mean())
+        for x, s in zip(cache.tensors(), snapshot):
+            x.copy_(s)
+        del snapshot
+        runner.load_decode(items, m)
         times = time_replays(graph, opts.replays, opts.graph_warmup)
         row = rows[m]
         row["specialized_ms"] = statistics.median(times)

@@ -25,6 +25,7 @@ from ..specialized_decode.dense_mlp import DenseMlpStage
 from ..specialized_decode.linear import DSA_GROUP, DSA_SINGLES, KDA_GROUP, KDA_SINGLES, ProjectionRoutes, _get
 from ..specialized_decode.logits import LogitsStage
 from ..specialized_decode.policy import STAGES, STOCK, Policy
+from .floor import capture, time_replays
 
 L2_BYTES = 60 * 2**20
 ROTATE_BYTES = 4 * L2_BYTES
@@ -167,24 +168,8 @@ def stage_cases(model, m: int, stages=None) -> list[Case]:
 
 def time_choice(case: Case, choice: str, replays: int = 20) -> float:
     """Median microseconds of one call of `choice`, from CUDA-graph replays of every instance."""
-    run = case.runs[choice]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()  # compiles kernels and warms allocations outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / case.calls)
+    graph = capture(case.runs[choice])
+    times = [t * 1e3 / case.calls for t in time_replays(graph, replays, 1)]
     del graph
     return statistics.median(times)
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..runtime.runner import Runner
-from .floor import floor_seconds, measure_read_bandwidth, record_routing, step_bytes
+from .floor import floor_seconds, measure_read_bandwidth, record_routing, step_bytes, time_replays
 from .slice import build_slice_model, fill_context, make_cache, slice_config
 
 
@@ -87,19 +87,6 @@ def time_eager(fn, device: torch.device, iters: int, warmup: int) -> list[float]
             fn()
             out.append((time.perf_counter() - t0) * 1e3)
     return out
-
-
-def time_replays(graph, replays: int, warmup: int) -> list[float]:
-    """Milliseconds of each of `replays` back-to-back replays of `graph` after `warmup`, by CUDA events."""
-    for _ in range(warmup):
-        graph.replay()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
-    for start, end in events:
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    return [s.elapsed_time(e) for s, e in events]
 
 
 def _items(m: int, context: int, blocks: list[list[int]], vocab: int, seed: int) -> list:

@@ -60,7 +60,7 @@ def _profile_peak(model: Glm5NextModel, block_size: int, chunk: int, decode_rows
     if decode_rows:
         torch.cuda.reset_peak_memory_stats(device)
         runner.graph_mode = True
-        runner.execute([(ids, chunk - 1, 1, 0, list(range(blocks)))] * 1, 1)
+        runner.execute([(ids, chunk - 1, 1, 0, list(range(blocks)))], 1)
         decode = int((torch.cuda.max_memory_allocated(device) - base) * GRAPH_MARGIN)
     del runner, cache
     torch.cuda.synchronize(device)

@@ -240,9 +240,9 @@ class LLMEngine:
         if not out.scheduled:
             raise RuntimeError("the scheduler could not place any request in the cache")
         items = [(r.token_ids, r.num_computed, n, r.slot, r.block_ids) for r, n in out.scheduled]
-        if self.runner.graph_size(len(items), len(out.decodes)) is not None and self.runner.graphs:
-            self.stats["graph_steps"] += 1
+        replays = self.runner.num_replays
         logits = self.runner.execute(items, len(out.decodes))
+        self.stats["graph_steps"] += self.runner.num_replays - replays
         self.stats["steps"] += 1
         rows = [i for i, (r, n) in enumerate(out.scheduled) if r.num_computed + n == len(r.token_ids)]
         reqs = [out.scheduled[i][0] for i in rows]
