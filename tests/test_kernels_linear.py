@@ -78,16 +78,23 @@ def test_linear_into_strided_view_leaves_the_rest(kind, split_k):
     assert buf[:, :7].isnan().all() and buf[:, 137:].isnan().all()
 
 
-@pytest.mark.parametrize("mode,block_n", [("gemv", None), ("gemv", 16), ("dot", 16), ("dot", 128)])
+VARIANTS = {
+    "gemv": dict(mode="gemv"), "gemv-16": dict(mode="gemv", block_n=16), "dot-16": dict(mode="dot", block_n=16),
+    "dot-128": dict(mode="dot", block_n=128), "swap": dict(swap=True), "swap-128": dict(swap=True, block_n=128),
+    "k256": dict(block_k=256), "swap-k256": dict(swap=True, block_k=256),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("kind", ["fp32", "fp8"])
-def test_linear_variants(mode, block_n, kind):
+def test_linear_variants(variant, kind):
     g = torch.Generator().manual_seed(4)
     dtype = KINDS[kind]
     for m in (1, 5):
-        w, s = make_weight(kind, 130, 200, g)
-        x = torch.randn(m, 200, generator=g).to(dtype)
+        w, s = make_weight(kind, 130, 300, g)  # K = 300: a 256-wide step spans two scale blocks, then a ragged one
+        x = torch.randn(m, 300, generator=g).to(dtype)
         for split_k in (1, 2):
-            y = skinny_linear(x, w, s, out=nan_out(m, 130, dtype), split_k=split_k, block_n=block_n, mode=mode)
+            y = skinny_linear(x, w, s, out=nan_out(m, 130, dtype), split_k=split_k, **VARIANTS[variant])
             assert rel_err(y, linear_reference(x, w, s)) <= tol(dtype)
 
 
@@ -162,6 +169,19 @@ def test_gate_up_swiglu_matches_reference(kind, split_k):
             y = gate_up_swiglu(x, gw, gs, uw, us, limit, out=out, split_k=split_k)
             assert y is out
             assert rel_err(y, gate_up_swiglu_reference(x, gw, gs, uw, us, limit)) <= tol(dtype), (m, n, k)
+
+
+@pytest.mark.parametrize("variant", ["swap", "swap-k256"])
+def test_gate_up_swiglu_swapped(variant):
+    g = torch.Generator().manual_seed(9)
+    gw, gs = make_weight("fp8", 130, 300, g)
+    uw, us = make_weight("fp8", 130, 300, g)
+    for m in (1, 5):
+        x = torch.randn(m, 300, generator=g).to(torch.bfloat16) * 0.3
+        for split_k in (1, 2):
+            y = gate_up_swiglu(x, gw, gs, uw, us, 3.0, out=nan_out(m, 130, torch.bfloat16), split_k=split_k,
+                               **VARIANTS[variant])
+            assert rel_err(y, gate_up_swiglu_reference(x, gw, gs, uw, us, 3.0)) <= 1e-2
 
 
 def test_split_counters_return_to_zero():

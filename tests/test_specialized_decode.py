@@ -39,7 +39,9 @@ def test_policy_refuses_what_does_not_exist(tables, match):
 
 def test_policy_lookup_and_files(tmp_path):
     p = Policy({"boundary": {"1": "fused", "2": "stock", "8": "fused"}, "logits_head": {"64": "splitk"}})
-    assert p("boundary", 1) == "fused" and p("boundary", 2) is None and p("boundary", 4) is None
+    assert p("boundary", 1) == "fused" and p("boundary", 2) is None
+    assert p("boundary", 3) == "fused" and p("boundary", 4) == "fused"  # between 2 and 8: the entry at 8
+    assert p("boundary", 9) is None and p("logits_head", 3) == "splitk"  # past the table: stock
     assert p.enabled("boundary") and not p.enabled("dense_mlp")
     assert p.tokens("boundary", "fused") == {1, 8} and p.tokens("logits_head", "splitk") == {64}
     path = tmp_path / "p.json"

@@ -4,8 +4,10 @@ A policy file is JSON:
 
     {"gpu": "NVIDIA H200", "measured": "...", "tables": {"boundary": {"1": "fused", "2": "fused"}, ...}}
 
-A stage missing from `tables`, a token count missing from a stage's table, or the
-choice "stock" all mean: the stock module runs. The tables shipped in
+A stage missing from `tables`, or the choice "stock", means: the stock module runs. A token count
+the table does not list takes the entry of the next larger count it lists (the choices are kernel
+families that run at any count up to the one measured, and a verify step of q tokens per request
+captures multiples of q that the table may not hold); above the largest listed count, stock. The tables shipped in
 `policies/` are written by `glm5next tune-policy`, which measures every choice
 of every stage at every token count on the GPU at hand; a user file given to
 the engine replaces them.
@@ -49,7 +51,8 @@ class Policy:
 
     def __init__(self, tables: dict | None = None, source: str = "<tables>") -> None:
         self.source = source
-        self.tables: dict[str, dict[int, str]] = {}
+        self.tables: dict[str, dict[int, str | None]] = {}
+        """stage -> {token count: choice, or None for a measured stock}, counts ascending."""
         if not isinstance(tables or {}, dict):
             raise PolicyError(f"{source}: 'tables' must be an object of stage -> {{tokens: choice}}")
         for stage, table in (tables or {}).items():
@@ -61,6 +64,7 @@ class Policy:
             for tokens, choice in table.items():
                 n = _token_count(tokens, f"{source}: stage {stage!r}")
                 if choice == STOCK:
+                    rows[n] = None
                     continue
                 if choice not in STAGES[stage]:
                     raise PolicyError(f"{source}: stage {stage!r} at {n} tokens: unknown choice {choice!r} "
@@ -71,18 +75,21 @@ class Policy:
     def __call__(self, stage: str, tokens: int) -> str | None:
         if stage not in STAGES:
             raise PolicyError(f"unknown stage {stage!r}")
-        return self.tables.get(stage, {}).get(tokens)
+        table = self.tables.get(stage, {})
+        if tokens in table:
+            return table[tokens]
+        return next((c for n, c in table.items() if n > tokens), None)
 
     def enabled(self, stage: str) -> bool:
         """Whether the stage runs at any token count."""
-        return bool(self.tables.get(stage))
+        return any(c is not None for c in self.tables.get(stage, {}).values())
 
     def tokens(self, stage: str, choice: str) -> set[int]:
         """The token counts at which `stage` runs `choice`."""
         return {n for n, c in self.tables.get(stage, {}).items() if c == choice}
 
     def to_dict(self, **header) -> dict:
-        return {**header, "tables": {s: {str(n): c for n, c in t.items()} for s, t in self.tables.items()}}
+        return {**header, "tables": {s: {str(n): c or STOCK for n, c in t.items()} for s, t in self.tables.items()}}
 
     @classmethod
     def from_file(cls, path: str) -> "Policy":
@@ -104,7 +111,8 @@ class Policy:
         return cls.from_file(path) if os.path.exists(path) else None
 
     def __repr__(self) -> str:
-        return f"Policy({self.source}: {', '.join(f'{s}@{sorted(t)}' for s, t in self.tables.items() if t)})"
+        runs = {s: sorted(n for n, c in t.items() if c is not None) for s, t in self.tables.items()}
+        return f"Policy({self.source}: {', '.join(f'{s}@{n}' for s, n in runs.items() if n)})"
 
 
 def _token_count(value, where: str) -> int:

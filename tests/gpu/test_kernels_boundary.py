@@ -55,8 +55,15 @@ def test_boundary_first_last_match_reference(T):
     got = mhc_boundary(out, streams, post, comb, *nxt, **KW)
     want = ref.mhc_boundary(out, streams, post, comb, *nxt, **KW)
     torch.testing.assert_close(got[0].float(), want[0].float(), rtol=8e-3, atol=1e-2)
-    torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(got[2], want[2], rtol=1e-3, atol=1e-4)
+    # The mixer reads the bf16 streams: one element rounded the other way at a tie moves the post
+    # weights by ~1e-4, so the tight check applies the reference mixer to the kernel's own streams.
+    fn, base, scale, _ = nxt
+    _, own_post, own_comb = ref.hc_weights(got[0], fn, base, scale, hc_eps=KW["hc_eps"], rms_eps=KW["rms_eps"],
+                                           sinkhorn_iters=KW["sinkhorn_iters"], post_mult=KW["post_mult"])
+    torch.testing.assert_close(got[1], own_post, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got[2], own_comb, rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(got[1], want[1], rtol=2e-3, atol=1e-3)
+    torch.testing.assert_close(got[2], want[2], rtol=1e-2, atol=1e-3)
     assert _rel(got[3], want[3]) <= 2e-2
     first = mhc_first(out, *nxt, **KW)
     first_ref = ref.mhc_first(out, *nxt, **KW)
