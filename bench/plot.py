@@ -1,4 +1,5 @@
-"""Plot a `glm5next bench` result: step time vs tokens (eager, CUDA graph, floor) and engine throughput.
+"""Plot a `glm5next bench` result: step time vs tokens (eager, CUDA graph, floor) and engine throughput;
+for a speculative result, tokens/s vs concurrency per assumed accepted length and verify-step time vs tokens.
 
     python bench/plot.py bench/results/RESULT.json [-o RESULT.png]
 """
@@ -22,8 +23,64 @@ def _series(rows: list, x: str, y: str) -> tuple[list, list]:
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
+def plot_speculative(result: dict, out: str) -> str:
+    """Tokens/s vs concurrency at each assumed mean accepted length L (the best q per request count),
+    stock vs specialized, with the non-speculative baseline; and verify-step time vs tokens per q
+    against the floor."""
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.8))
+    best, base = result.get("best") or [], result.get("baseline") or []
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, length in enumerate(result["assumed_acceptance"]["accepted_lengths"]):
+        rows = [b for b in best if b["accepted_length"] == length]
+        for path, style in (("stock", "s--"), ("specialized", "o-")):
+            pts = [(b["requests"], b[path]["tokens_per_s"]) for b in rows if path in b]
+            if pts:
+                ax.plot(*zip(*pts), style, color=colors[i % len(colors)], label=f"{path}, L = {length:g} (assumed)")
+    for path, style in (("stock", "s--"), ("specialized", "o-")):
+        xs, ys = _series(base, "requests", f"{path}_tokens_per_s")
+        if xs:
+            ax.plot(xs, ys, style, color="gray", label=f"{path}, no speculation")
+    reqs = result.get("requests") or sorted({b["requests"] for b in base})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(reqs, [str(r) for r in reqs])
+    ax.set_xlabel("concurrent requests R")
+    ax.set_ylabel("output tokens/s (slice)")
+    ax.set_title("tokens/s = R·L / (verify + draft), best q; L ASSUMED (random weights accept nothing)", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    for i, q in enumerate(sorted({r["q"] for r in result.get("verify", [])} | ({1} if base else set()))):
+        rows = [r for r in base + result.get("verify", []) if r["q"] == q]
+        c = colors[i % len(colors)]
+        for key, style, label in (("stock_ms", "s--", "stock"), ("specialized_ms", "o-", "specialized"),
+                                  ("floor_ms", "x:", "floor")):
+            xs, ys = _series(rows, "tokens", key)
+            if xs:
+                bx.plot(xs, ys, style, color=c, label=f"q={q} {label}")
+    ticks = sorted({r["tokens"] for r in base + result.get("verify", [])})
+    bx.set_xscale("log", base=2)
+    bx.set_yscale("log")
+    bx.set_xticks(ticks, [str(t) for t in ticks])
+    bx.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    bx.set_xlabel("tokens per step (R requests x q tokens; q = 1: plain decode)")
+    bx.set_ylabel("step time (ms)")
+    bw = result.get("bandwidth", {}).get("bytes_per_s")
+    bx.set_title("verify step vs floor" + (f"; read BW {bw / 1e9:.1f} GB/s" if bw else "")
+                 + ("" if result.get("graphs") else "; eager, no CUDA graphs"), fontsize=9)
+    bx.grid(True, which="both", alpha=0.3)
+    bx.legend(fontsize=7, ncol=2)
+    fig.suptitle(f"MTP speculative decoding, {result.get('slice', '?')} slice, {result.get('device', '?')}, context "
+                 f"{result.get('context', '?')} (torch {result.get('torch', '?')}, {result.get('date', '?')[:10]})",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
 def plot(result: dict, out: str) -> str:
     """Write the figure of `result` to `out` (PNG); returns `out`."""
+    if result.get("mode") == "speculative":
+        return plot_speculative(result, out)
     steps, e2e = result.get("steps") or [], result.get("e2e") or []
     panels = (1 if steps else 0) + (1 if e2e else 0)
     if not panels:

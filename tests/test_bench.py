@@ -205,3 +205,108 @@ def test_cli_small_end_to_end(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_step_bytes_verify_hand_count(small):
+    """Verify steps: q tokens per sequence share their KDA states and cache reads; the MTP layer's weights
+    are not the trunk step's."""
+    model = build_slice_model(slice_config(small=True, with_mtp=True), "cpu", seed=0, with_mtp=True)
+    cache = make_cache(small, 2, 62, 16, torch.bfloat16, "cpu", extra_tokens=3, include_mtp=True, verify_tokens=3)
+    gen = torch.Generator().manual_seed(0)
+    routing = {i: torch.randint(0, 16, (6, 4), generator=gen) for i in (3, 4, 5, 6, 7)}
+    got = step_bytes(model, cache, routing, 6, 62, tokens_per_seq=3)
+    h, k = small.linear_num_heads, small.linear_head_dim
+    per_seq_layer = h * k * k * 4 + 3 * h * k * 3 * 2
+    assert got["kda_state"] == 6 * 2 * 2 * per_seq_layer  # once per sequence, not per token
+    # Positions 62, 63, 64: the last sees 16 pools; token 62's selection is the largest (8 pools + a
+    # 3-token tail); token 63 completes a pool.
+    per_seq = 16 * 32 * 2 + 35 * 64 * 2 + 3 * (64 + 32 + 32) * 2 + 4 * (32 + 32) * 2 + 32 * 2
+    assert got["dsa_cache"] == 2 * 2 * per_seq
+    assert got["weights"] + got["embedding"] == _hand_weight_bytes(small, 6)
+    assert got["distinct_experts"] == {i: int(torch.unique(r).numel()) for i, r in routing.items()}
+    with pytest.raises(ValueError, match="whole sequences"):
+        step_bytes(model, cache, routing, 6, 62, tokens_per_seq=4)
+
+
+def _interp(catch_up, length):
+    lo, hi = math.floor(length), math.ceil(length)
+    return catch_up[str(lo)] + (length - lo) * (catch_up[str(hi)] - catch_up[str(lo)])
+
+
+def test_cli_speculative_small(tmp_path):
+    """`--mode speculative` on the CPU: every (q, R) row, floors, drafting at the catch-ups around each
+    assumed length, tokens/s from the recorded times, the assumption flagged; stock vs a policy without
+    stages (the executor's planned loop over stock modules)."""
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers(dest="command"))
+    policy = tmp_path / "policy.json"
+    policy.write_text(json.dumps({"tables": {}}))
+    out = tmp_path / "spec.json"
+    common = ["bench", "--mode", "speculative", "--small", "--device", "cpu", "--context", "40", "--eager-iters",
+              "1", "--eager-warmup", "0", "--bw-gib", "0.01"]
+    args = parser.parse_args(common + ["--requests", "1,2", "--num-speculative-tokens", "1,2",
+                                       "--accepted-lengths", "1.5,2.5", "--policy", str(policy), "--out", str(out)])
+    assert args.func(args) == 0
+    result = json.loads(out.read_text())
+    assert result["mode"] == "speculative" and result["slice"] == "small" and result["graphs"] is False
+    assert "eager" in result["timing"] and any("CUDA graphs skipped" in n for n in result["notes"])
+    assert result["assumed_acceptance"] == {"accepted_lengths": [1.5, 2.5], "assumed": True,
+                                            "note": result["assumed_acceptance"]["note"]}
+    assert "random weights accept no draft" in result["assumed_acceptance"]["note"]
+    assert any("assumed" in n for n in result["notes"])
+
+    base = {b["requests"]: b for b in result["baseline"]}
+    assert sorted(base) == [1, 2]
+    for r, b in base.items():
+        assert b["q"] == 1 and b["tokens"] == r and b["floor_ms"] > 0
+        for path in ("stock", "specialized"):
+            assert b[f"{path}_tokens_per_s"] == pytest.approx(r / b[f"{path}_ms"] * 1e3)
+    verify = {(v["q"], v["requests"]): v for v in result["verify"]}
+    assert sorted(verify) == [(2, 1), (2, 2), (3, 1), (3, 2)]
+    for (q, r), v in verify.items():
+        assert v["k"] == q - 1 and v["tokens"] == q * r
+        assert v["floor_ms"] > 0 and v["bytes"]["total"] > v["bytes"]["lm_head"] > 0
+        assert min(v["bytes"]["distinct_experts"].values()) >= result["config"]["top_k"]
+        assert v["stock_ms"] > 0 and v["specialized_ms"] > 0 and "specialized_declined" not in v
+        assert v["stock_logits_finite"] and v["specialized_logits_finite"]
+        assert v["top1_agree"] == 1.0 and v["specialized_vs_stock_rel_err"] < 1e-3
+        assert set(v["policy_choices"].values()) == {"stock"}
+        assert v["full_model_stock_ms"] > v["stock_ms"] and v["full_model_specialized_ms"] > v["specialized_ms"]
+        assert sorted(v["draft"]["catch_up"]) == (["1", "2"] if q == 2 else ["1", "2", "3"])
+        for d in v["draft"]["catch_up"].values():
+            assert d["stock_ms"] > 0 and d["specialized_ms"] > 0
+
+    assert len(result["throughput"]) == len(verify) * 2
+    for t in result["throughput"]:
+        v = verify[(t["q"], t["requests"])]
+        assert t["accepted_length_assumed"] is True
+        assert t["capped_at_q"] == (t["accepted_length"] > t["q"])
+        used = min(t["accepted_length"], t["q"])
+        assert t["accepted_length_used"] == used
+        assert t["floor_tokens_per_s"] == pytest.approx(t["requests"] * used / v["floor_ms"] * 1e3)
+        for path in ("stock", "specialized"):
+            draft = _interp({n: d[f"{path}_ms"] for n, d in v["draft"]["catch_up"].items()}, used)
+            assert t[f"{path}_draft_ms"] == pytest.approx(draft)
+            assert t[f"{path}_tokens_per_s"] == pytest.approx(t["requests"] * used / (v[f"{path}_ms"] + draft) * 1e3)
+            assert t[f"full_model_{path}_tokens_per_s"] == pytest.approx(
+                t["requests"] * used / (v[f"full_model_{path}_ms"] + draft) * 1e3)
+    for b in result["best"]:
+        reachable = [t for t in result["throughput"] if t["requests"] == b["requests"]
+                     and t["accepted_length"] == b["accepted_length"] and not t["capped_at_q"]]
+        for path in ("stock", "specialized"):
+            assert b[path]["tokens_per_s"] == max(t[f"{path}_tokens_per_s"] for t in reachable)
+
+    # Without a policy the specialized path is declined, and says why.
+    bare = tmp_path / "bare.json"
+    args = parser.parse_args(common + ["--requests", "1", "--num-speculative-tokens", "1", "--out", str(bare)])
+    assert args.func(args) == 0
+    result = json.loads(bare.read_text())
+    assert "policy" in result["verify"][0]["specialized_declined"] and "specialized_ms" not in result["verify"][0]
+    assert result["throughput"][0]["stock_tokens_per_s"] > 0 and "specialized_tokens_per_s" not in result["throughput"][0]
+
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "spec.png"
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "plot.py"), str(out), "-o", str(png)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -11,6 +11,9 @@ import sys
 import time
 
 DEFAULT_LEVELS = "1,2,4,8,16,32,64"
+DEFAULT_REQUESTS = "1,4,16"
+DEFAULT_SPEC_TOKENS = "1,2,3"
+DEFAULT_ACCEPTED = "2.5,3.0"
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -23,6 +26,16 @@ def _int_list(text: str) -> tuple[int, ...]:
     return values
 
 
+def _length_list(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
+    if not values or any(not math.isfinite(v) or v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: every accepted length is a number >= 1 (the bonus token counts)")
+    return values
+
+
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     """Register `bench` on `subparsers` (from `ArgumentParser.add_subparsers`)."""
     p = subparsers.add_parser(
@@ -30,24 +43,37 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
         description="Times the decode step of the first layers of GLM-5.3-Flash (random weights in the "
                     "checkpoint's dtypes, random prior context) against its memory floor, and the engine end to end.",
     )
-    p.add_argument("--mode", choices=["stock", "specialized"], default="stock",
+    p.add_argument("--mode", choices=["stock", "specialized", "speculative"], default="stock",
                    help="stock: the stock runtime (eager, CUDA graph, end to end); specialized: stock vs the "
-                        "specialized executor, per-stage table, full-model estimate (needs a GPU)")
-    p.add_argument("--policy", default=None, help="specialized mode: a policy JSON (default: the shipped one)")
+                        "specialized executor, per-stage table, full-model estimate (needs a GPU); speculative: "
+                        "MTP verify steps per q and request count against the floor, drafting, and tokens/s at "
+                        "assumed mean accepted lengths")
+    p.add_argument("--policy", default=None,
+                   help="specialized and speculative modes: a policy JSON (default: the shipped one)")
     p.add_argument("--speculative-config", default=None,
                    help='end to end with MTP speculative decoding, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\'')
     p.add_argument("--small", action="store_true", help="a reduced-width slice that runs on a CPU in seconds")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--layers", type=int, default=8, help="layers of the slice (default 8)")
     p.add_argument("--tokens", type=_int_list, default=_int_list(DEFAULT_LEVELS),
-                   help=f"decode token counts M (default {DEFAULT_LEVELS}; empty: no step benchmark)")
+                   help=f"decode token counts M (default {DEFAULT_LEVELS}; empty: no step benchmark; "
+                        f"not used in speculative mode)")
+    p.add_argument("--requests", type=_int_list, default=_int_list(DEFAULT_REQUESTS),
+                   help=f"speculative mode: concurrent requests R per verify step (default {DEFAULT_REQUESTS})")
+    p.add_argument("--num-speculative-tokens", type=_int_list, default=_int_list(DEFAULT_SPEC_TOKENS),
+                   help=f"speculative mode: draft tokens k per request, q = k + 1 verified (default {DEFAULT_SPEC_TOKENS})")
+    p.add_argument("--accepted-lengths", type=_length_list, default=_length_list(DEFAULT_ACCEPTED),
+                   help=f"speculative mode: ASSUMED mean accepted lengths L, tokens per verify step with the bonus "
+                        f"token (default {DEFAULT_ACCEPTED}, as public measurements report; random weights accept nothing)")
     p.add_argument("--concurrency", type=_int_list, default=_int_list(DEFAULT_LEVELS),
                    help=f"end-to-end concurrencies (default {DEFAULT_LEVELS})")
     p.add_argument("--context", type=int, default=8192, help="cached tokens before the decoded one (default 8192)")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--eager-iters", type=int, default=10, help="timed eager steps per M (median)")
+    p.add_argument("--eager-iters", type=int, default=None,
+                   help="timed eager steps per M, or draft calls (median; default 10, speculative mode 5)")
     p.add_argument("--eager-warmup", type=int, default=2)
-    p.add_argument("--replays", type=int, default=50, help="timed graph replays per M (median)")
+    p.add_argument("--replays", type=int, default=None,
+                   help="timed graph replays per M (median; default 50, speculative mode 15)")
     p.add_argument("--graph-warmup", type=int, default=5)
     p.add_argument("--skip-eager", action="store_true", help="no eager step timing")
     p.add_argument("--skip-graph", action="store_true", help="no CUDA-graph step timing")
@@ -56,13 +82,13 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--gen-len", type=int, default=64, help="end-to-end output tokens per request")
     p.add_argument("--bw-gib", type=float, default=1.0, help="GiB of the bandwidth probe buffer (>= 1 on a GPU)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="result JSON (default bench/results/<date>-<gpu>-stock.json)")
+    p.add_argument("--out", default=None, help="result JSON (default bench/results/<date>-<gpu>-<mode>.json)")
     p.set_defaults(func=cmd_bench)
     return p
 
 
 def default_out_path(result: dict) -> str:
-    """`bench/results/<date>-<gpu>-stock[-small].json` for a result."""
+    """`bench/results/<date>-<gpu>-<mode>[-small].json` for a result."""
     name = re.sub(r"^nvidia-", "", re.sub(r"[^a-z0-9]+", "-", result["device"].lower()).strip("-")) or "device"
     small = "-small" if result["slice"] == "small" else ""
     return os.path.join("bench", "results", f"{time.strftime('%Y-%m-%d')}-{name}-{result['mode']}{small}.json")
@@ -81,6 +107,10 @@ def _clean(obj):
 
 def format_table(result: dict) -> str:
     """A readable summary of a result."""
+    if result["mode"] == "speculative":
+        from .speculative import format_speculative
+
+        return format_speculative(result)
     bw = result["bandwidth"]["bytes_per_s"]
     lines = [f"{result['mode']} runtime, {result['slice']} slice on {result['device']} (torch {result['torch']}, "
              f"triton {result['triton']}), {result['date']}",
@@ -119,15 +149,24 @@ def format_table(result: dict) -> str:
 
 def cmd_bench(args) -> int:
     """Run the benchmark `args` describe, write the JSON, print the table; the exit status."""
+    from ..runtime.speculative import MAX_SPECULATIVE_TOKENS
     from .stock import StockOptions, run_stock
 
-    if args.context < 0 or args.layers < 1 or args.eager_iters < 1 or args.replays < 1:
+    speculative = args.mode == "speculative"
+    eager_iters = args.eager_iters if args.eager_iters is not None else (5 if speculative else 10)
+    replays = args.replays if args.replays is not None else (15 if speculative else 50)
+    if args.context < 0 or args.layers < 1 or eager_iters < 1 or replays < 1:
         print("glm5next bench: --context must be >= 0, --layers, --eager-iters and --replays >= 1", file=sys.stderr)
+        return 2
+    if speculative and (not args.requests or not args.num_speculative_tokens
+                        or max(args.num_speculative_tokens) > MAX_SPECULATIVE_TOKENS):
+        print(f"glm5next bench: --requests must not be empty and --num-speculative-tokens must be 1 to "
+              f"{MAX_SPECULATIVE_TOKENS}", file=sys.stderr)
         return 2
     opts = StockOptions(
         small=args.small, device=args.device, layers=args.layers, tokens=args.tokens,
         concurrency=args.concurrency, context=args.context, block_size=args.block_size,
-        eager_iters=args.eager_iters, eager_warmup=args.eager_warmup, replays=args.replays,
+        eager_iters=eager_iters, eager_warmup=args.eager_warmup, replays=replays,
         graph_warmup=args.graph_warmup, skip_eager=args.skip_eager, skip_graph=args.skip_graph,
         skip_e2e=args.skip_e2e, prompt_len=args.prompt_len, gen_len=args.gen_len, bw_gib=args.bw_gib, seed=args.seed,
         speculative_config=args.speculative_config,
@@ -136,6 +175,11 @@ def cmd_bench(args) -> int:
         from .specialized import run_specialized
 
         result = _clean(run_specialized(opts, args.policy))
+    elif speculative:
+        from .speculative import run_speculative
+
+        result = _clean(run_speculative(opts, args.policy, args.requests, args.num_speculative_tokens,
+                                        args.accepted_lengths))
     else:
         result = _clean(run_stock(opts))
     out = args.out or default_out_path(result)

@@ -122,15 +122,25 @@ def expert_bytes(experts: RoutedExperts) -> int:
 
 
 def step_bytes(
-    model: Glm5NextModel, cache: ModelCache, routing: dict[int, torch.Tensor], num_tokens: int, context: int
+    model: Glm5NextModel, cache: ModelCache, routing: dict[int, torch.Tensor], num_tokens: int, context: int,
+    tokens_per_seq: int = 1,
 ) -> dict:
-    """The bytes one decode step of `num_tokens` sequences (one token each, after `context` cached tokens)
-    must read and write, by part. `routing`: the expert ids [num_tokens, k] of each MoE layer."""
+    """The bytes one step of `num_tokens` tokens must read and write, by part: `tokens_per_seq` tokens
+    (1 for a decode, q for a speculative verify) of each of `num_tokens // tokens_per_seq` sequences,
+    at positions `context` onwards. `routing`: the expert ids [num_tokens, k] of each MoE layer.
+
+    The tokens of one sequence share their reads: its KDA states are read and written once, its
+    pooled keys read once, and its latents counted for one token's selection (a lower bound on the
+    union of its tokens' selections)."""
     config = model.config
+    q = tokens_per_seq
+    if q < 1 or num_tokens % q:
+        raise ValueError(f"{num_tokens} tokens are not whole sequences of {q} tokens")
+    seqs = num_tokens // q
     routed = {id(p) for m in model.modules() if isinstance(m, RoutedExperts) for p in m.parameters()}
     weights = lm_head = 0
     for name, p in model.named_parameters():
-        if id(p) in routed or name == "embed_tokens":
+        if id(p) in routed or name == "embed_tokens" or name.startswith("mtp."):  # the draft layer is not the step's
             continue
         weights += _nbytes(p)
         if name.startswith("lm_head."):
@@ -154,22 +164,22 @@ def step_bytes(
     for i, kind in enumerate(config.layer_kinds):
         if kind == KDA:
             s = cache.kda[i]
-            kda += 2 * num_tokens * (_nbytes(s.conv[0]) + _nbytes(s.recurrent[0]))  # read + write
+            kda += 2 * seqs * (_nbytes(s.conv[0]) + _nbytes(s.recurrent[0]))  # read + write
 
-    kp, pos = config.index_kpool, context  # the decoded token sits at position `context`
-    visible = (pos + 1) // kp
-    latents_read = min(config.index_topk_pools, visible) * kp + (pos + 1) % kp
-    completes = pos % kp == kp - 1
+    kp = config.index_kpool
+    positions = range(context, context + q)  # a sequence's tokens; the first sits at position `context`
+    visible = (positions[-1] + 1) // kp  # complete pools its last token sees
+    latents_read = max(min(config.index_topk_pools, (p + 1) // kp) * kp + (p + 1) % kp for p in positions)
+    completes = sum(1 for p in positions if p % kp == kp - 1)
     dsa = 0
     for i, kind in enumerate(config.layer_kinds):
         if kind == DSA:
             c = cache.dsa[i]
             lat, key, gate, pooled = (_nbytes(t[0, 0]) for t in (c.latent, c.index_key, c.index_gate, c.pooled_key))
-            per_token = visible * pooled + latents_read * lat  # indexer scores, attention over the selection
-            per_token += lat + key + gate  # the token's own rows
-            if completes:
-                per_token += kp * (key + gate) + pooled  # the pool it completes
-            dsa += num_tokens * per_token
+            per_seq = visible * pooled + latents_read * lat  # indexer scores, attention over the selection
+            per_seq += q * (lat + key + gate)  # the tokens' own rows
+            per_seq += completes * (kp * (key + gate) + pooled)  # the pools they complete
+            dsa += seqs * per_seq
 
     total = weights + embedding + experts + kda + dsa
     return {"total": total, "weights": weights, "lm_head": lm_head, "embedding": embedding, "experts": experts,

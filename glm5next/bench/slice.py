@@ -202,11 +202,14 @@ def blocks_per_sequence(context: int, block_size: int, extra_tokens: int = 1) ->
 
 
 def make_cache(
-    config: Glm5NextConfig, num_seqs: int, context: int, block_size: int, dtype: torch.dtype, device
+    config: Glm5NextConfig, num_seqs: int, context: int, block_size: int, dtype: torch.dtype, device,
+    extra_tokens: int = 1, include_mtp: bool = False, verify_tokens: int = 0,
 ) -> ModelCache:
-    """A cache with room for `num_seqs` sequences of `context` tokens plus one decoded token each."""
-    per = blocks_per_sequence(context, block_size)
-    return ModelCache(config, num_seqs * per, block_size, num_seqs, dtype, device, include_mtp=False)
+    """A cache with room for `num_seqs` sequences of `context` tokens plus `extra_tokens` new ones each
+    (with the MTP layer's cache and the KDA verify scratch of `verify_tokens`-token steps when asked)."""
+    per = blocks_per_sequence(context, block_size, extra_tokens)
+    return ModelCache(config, num_seqs * per, block_size, num_seqs, dtype, device, include_mtp=include_mtp,
+                      verify_tokens=verify_tokens)
 
 
 def _fill_normal_(t: torch.Tensor, std: float, gen: torch.Generator) -> None:
@@ -216,11 +219,12 @@ def _fill_normal_(t: torch.Tensor, std: float, gen: torch.Generator) -> None:
         flat[a:b] = torch.randn(b - a, generator=gen, device=t.device).mul_(std)
 
 
-def fill_context(cache: ModelCache, seqs: int, context: int, seed: int = 0) -> list[list[int]]:
+def fill_context(cache: ModelCache, seqs: int, context: int, seed: int = 0, extra_tokens: int = 1) -> list[list[int]]:
     """Random prior context of `context` tokens for sequences 0..seqs-1 (KDA slot i, consecutive blocks):
-    latents, indexer keys and gates, pooled keys and KDA conv/recurrent states. Returns each sequence's
-    block list, long enough for one decoded token at position `context`."""
-    per = blocks_per_sequence(context, cache.block_size)
+    latents, indexer keys and gates, pooled keys (the MTP layer's too, where the cache has it) and KDA
+    conv/recurrent states. Returns each sequence's block list, long enough for `extra_tokens` new tokens
+    from position `context`."""
+    per = blocks_per_sequence(context, cache.block_size, extra_tokens)
     used = seqs * per
     if used > cache.num_blocks or seqs > cache.num_slots:
         raise ValueError(f"{seqs} sequences of {context} tokens need {used} blocks and {seqs} slots; the cache "

@@ -32,12 +32,14 @@ def _time_graph(fn, replays: int = 30) -> float:
     return statistics.median(time_replays(capture(fn), replays, 3))
 
 
-def _layer_times(model, executor: SpecializedDecode, runner: Runner, m: int) -> dict:
-    """Milliseconds of one KDA+MoE and one DSA+MoE layer at m decode tokens, planned and stock."""
+def _layer_times(model, executor: SpecializedDecode | None, runner: Runner, m: int, timer=_time_graph) -> dict:
+    """Milliseconds of one KDA+MoE and one DSA+MoE layer at m tokens (the runner's q per sequence, over the
+    inputs its static buffers hold), stock and, where the executor plans the step, planned. `timer(fn)`:
+    the time of `fn` (default: a CUDA graph of it, replayed)."""
     cfg, dev, dt = model.config, model.embed_tokens.device, model.embed_tokens.dtype
-    md = runner.static.metadata(m)
+    md = runner.static.metadata(m, runner.q)
     ctx = ForwardContext({p: md for p in runner.prefixes}, md.positions, CUDAGraphMode.FULL, True)
-    step = executor.plan(ctx, m)
+    step = executor.plan(ctx, m) if executor is not None else None
     out = {}
     for kind, name in ((KDA, "kda_moe"), (DSA, "dsa_moe")):
         layer = next(layer for layer in model.layers if layer.layer_kind == kind and layer.mlp_is_moe)
@@ -54,8 +56,17 @@ def _layer_times(model, executor: SpecializedDecode, runner: Runner, m: int) -> 
         def stock():
             layer(streams, ctx, runner.cache)
 
-        out[name] = {"specialized_ms": _time_graph(planned), "stock_ms": _time_graph(stock)}
+        out[name] = {"stock_ms": timer(stock)}
+        if step is not None:
+            out[name]["specialized_ms"] = timer(planned)
     return out
+
+
+def full_model_ms(model, step_ms: float, layers: dict, path: str) -> float:
+    """The 45-layer estimate of a slice step of `step_ms`: plus, for every layer of each kind the full model
+    has beyond the slice, that kind's `path` ("stock" or "specialized") time in `layers` (`_layer_times`)."""
+    extra = {k: FULL_LAYERS[k] - sum(1 for layer in model.layers if _kind(layer) == k) for k in FULL_LAYERS}
+    return step_ms + sum(n * layers[k][f"{path}_ms"] for k, n in extra.items() if k in layers)
 
 
 def run_specialized(opts: StockOptions, policy_path: str | None) -> dict:
@@ -110,11 +121,9 @@ def run_specialized(opts: StockOptions, policy_path: str | None) -> dict:
             f"stock graph {row.get('graph_ms', float('nan')):.2f} ms)")
         row["stages"] = _stage_rows(model, m, policy, bw["bytes_per_s"])
         row["layers"] = _layer_times(model, executor, runner, m)
-        extra = {k: FULL_LAYERS[k] - sum(1 for layer in model.layers if _kind(layer) == k) for k in FULL_LAYERS}
         for path, key in (("specialized", "specialized_ms"), ("stock", "graph_ms")):
             if key in row:
-                row[f"full_model_{path}_ms"] = row[key] + sum(
-                    n * row["layers"][k][f"{path}_ms"] for k, n in extra.items() if k in row["layers"])
+                row[f"full_model_{path}_ms"] = full_model_ms(model, row[key], row["layers"], path)
     result["steps"] = [rows[m] for m in tokens]
     result["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
     return result
