@@ -15,9 +15,6 @@ the activations, and the partial product of each K chunk of at most 128 is scale
 128x128 block scale. That holds because BLOCK_N divides 128, BLOCK_K is a multiple or a divisor
 of 128, and tiles start on multiples of themselves, so a chunk never straddles two scale blocks.
 
-With `swap` the weight tile is the left `tl.dot` operand (W x^T): the few rows become the
-narrow side of the product and the widened weights go to the tensor cores from registers.
-
 Split-K is deterministic and needs one launch: each split stores its fp32 partial tile,
 bumps a per-tile counter, and the program that arrives last sums every partial in split
 order, applies the epilogue (a cast, or the clamped SwiGLU of the gated variant), writes
@@ -51,28 +48,18 @@ class LaunchPlan:
     num_stages: int = 4
     f32_sub_k: int = 32
     """K chunk of one fp32 (tf32x3) product inside a BLOCK_K step, bounding its registers."""
-    swap: bool = False
-    """`tl.dot` with the weight tile as the left operand (W x^T, transposed once at the end): the
-    widened FP8 tile then feeds the tensor cores from registers instead of via a shared-memory
-    layout change, and the few rows are the narrow right operand."""
 
 
 @triton.jit
-def _mma(xt, wt, F32: tl.constexpr, USE_DOT: tl.constexpr, SWAP: tl.constexpr):
-    """[BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] in fp32 accumulation; with SWAP, wt is the
-    [BLOCK_N, BLOCK_K] weight tile and the result its [BLOCK_N, BLOCK_M] transpose."""
+def _mma(xt, wt, F32: tl.constexpr, USE_DOT: tl.constexpr):
+    """[BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] in fp32 accumulation."""
     if F32:
         a = xt.to(tl.float32)
         b = wt.to(tl.float32)
     else:
         a = xt
         b = wt.to(xt.dtype)  # exact for FP8 values; bf16 weights unchanged
-    if SWAP:
-        if F32:
-            r = tl.dot(b, tl.trans(a), input_precision="tf32x3")
-        else:
-            r = tl.dot(b, tl.trans(a))
-    elif USE_DOT:
+    if USE_DOT:
         if F32:
             r = tl.dot(a, b, input_precision="tf32x3")  # ~fp32 accuracy on tensor cores
         else:
@@ -84,21 +71,18 @@ def _mma(xt, wt, F32: tl.constexpr, USE_DOT: tl.constexpr, SWAP: tl.constexpr):
 
 @triton.jit
 def _chunk(x_ptrs, w_ptr, w2_ptr, w_offs, kk, row_ok, col_ok, K, k0, s_ptr, s2_ptr, s_row, F32: tl.constexpr,
-           TWO: tl.constexpr, USE_DOT: tl.constexpr, SWAP: tl.constexpr, IS_FP8: tl.constexpr):
+           TWO: tl.constexpr, USE_DOT: tl.constexpr, IS_FP8: tl.constexpr):
     """The products of the K chunk starting at k0 with W (and W2 when TWO; else W again, unused),
     each times its 128x128 block scale when IS_FP8 (a chunk never spans two scale blocks)."""
     k_ok = (k0 + kk) < K
     xt = tl.load(x_ptrs + k0, mask=row_ok & k_ok[None, :], other=0.0)
-    if SWAP:
-        w_ok = k_ok[None, :] & col_ok
-    else:
-        w_ok = k_ok[:, None] & col_ok
-    part = _mma(xt, tl.load(w_ptr + w_offs + k0, mask=w_ok, other=0.0), F32, USE_DOT, SWAP)
+    w_ok = k_ok[:, None] & col_ok
+    part = _mma(xt, tl.load(w_ptr + w_offs + k0, mask=w_ok, other=0.0), F32, USE_DOT)
     if IS_FP8:
         part = part * tl.load(s_ptr + s_row + k0 // 128)
     part2 = part
     if TWO:
-        part2 = _mma(xt, tl.load(w2_ptr + w_offs + k0, mask=w_ok, other=0.0), F32, USE_DOT, SWAP)
+        part2 = _mma(xt, tl.load(w2_ptr + w_offs + k0, mask=w_ok, other=0.0), F32, USE_DOT)
         if IS_FP8:
             part2 = part2 * tl.load(s2_ptr + s_row + k0 // 128)
     return part, part2
@@ -107,8 +91,7 @@ def _chunk(x_ptrs, w_ptr, w2_ptr, w_offs, kk, row_ok, col_ok, K, k0, s_ptr, s2_p
 @triton.jit
 def _accumulate(x_ptr, stride_xm, M, K, w_ptr, s_ptr, w2_ptr, s2_ptr, s_stride, n0, N, it0, n_it,
                 IS_FP8: tl.constexpr, F32: tl.constexpr, TWO: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, F32_SUB: tl.constexpr,
-                SWAP: tl.constexpr):
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, F32_SUB: tl.constexpr):
     """x[:, K range] @ W[n0:n0+BLOCK_N, K range].T (and the same with W2 when TWO), in fp32."""
     # fp32 products (tf32x3) hold 3 operand copies in registers: feed them F32_SUB K at a time;
     # an FP8 chunk stays within one 128-wide scale block.
@@ -119,27 +102,19 @@ def _accumulate(x_ptr, stride_xm, M, K, w_ptr, s_ptr, w2_ptr, s2_ptr, s_stride, 
     kk = tl.arange(0, SUB)
     x_ptrs = x_ptr + rows[:, None] * stride_xm + kk[None, :]
     row_ok = rows[:, None] < M
-    if SWAP:
-        w_offs = cols[:, None] * K + kk[None, :]  # [BLOCK_N, SUB] tile of the row-major W[n, k]
-        col_ok = cols[:, None] < N
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        acc2 = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:
-        w_offs = cols[None, :] * K + kk[:, None]  # [SUB, BLOCK_N] view of the row-major W[n, k]
-        col_ok = cols[None, :] < N
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    w_offs = cols[None, :] * K + kk[:, None]  # [SUB, BLOCK_N] view of the row-major W[n, k]
+    col_ok = cols[None, :] < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     s_row = (n0 // 128) * s_stride
     for i in range(n_it):
         k0 = (it0 + i) * BLOCK_K
         for c in tl.static_range(0, BLOCK_K, SUB):
             part, part2 = _chunk(x_ptrs, w_ptr, w2_ptr, w_offs, kk, row_ok, col_ok, K, k0 + c, s_ptr, s2_ptr, s_row,
-                                 F32, TWO, USE_DOT, SWAP, IS_FP8)
+                                 F32, TWO, USE_DOT, IS_FP8)
             acc += part
             if TWO:
                 acc2 += part2
-    if SWAP:
-        return tl.trans(acc), tl.trans(acc2)
     return acc, acc2
 
 
@@ -163,13 +138,13 @@ def _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, local, pid_k, 
              num_tiles, limit, s_stride, w_ptr, s_ptr, w2_ptr, s2_ptr, o_ptr, stride_om, N,
              IS_FP8: tl.constexpr, F32: tl.constexpr, TWO: tl.constexpr, SPLIT: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
-             F32_SUB: tl.constexpr, SWAP: tl.constexpr):
+             F32_SUB: tl.constexpr):
     """One program's share of one projection: tile `local` of it, K split `pid_k`."""
     n0 = local * BLOCK_N
     it0 = pid_k * ITERS
     n_it = tl.minimum(ITERS, K_ITERS - it0)
     acc, acc2 = _accumulate(x_ptr, stride_xm, M, K, w_ptr, s_ptr, w2_ptr, s2_ptr, s_stride, n0, N, it0,
-                            n_it, IS_FP8, F32, TWO, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, SWAP)
+                            n_it, IS_FP8, F32, TWO, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB)
     if SPLIT:
         TILE: tl.constexpr = BLOCK_M * BLOCK_N
         PARTS: tl.constexpr = 2 if TWO else 1
@@ -207,7 +182,7 @@ def skinny_kernel(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, ws_ptr, cnt_ptr
                   w5, s5, o5, so5, N5,
                   NUM: tl.constexpr, FP8_MASK: tl.constexpr, F32_MASK: tl.constexpr, TWO: tl.constexpr,
                   SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  USE_DOT: tl.constexpr, F32_SUB: tl.constexpr, SWAP: tl.constexpr):
+                  USE_DOT: tl.constexpr, F32_SUB: tl.constexpr):
     """Grid (num_tiles, split). Projection p owns tiles [T_p, T_{p+1}) (T_0 = 0, T_NUM = num_tiles);
     bit p of FP8_MASK / F32_MASK says whether its weight is FP8 / whether it multiplies in fp32.
     With TWO (one projection only) projection 0 is the gate and up_w/up_s the up weight."""
@@ -216,32 +191,32 @@ def skinny_kernel(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, ws_ptr, cnt_ptr
     if tile < T1:
         _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile, pid_k, ws_ptr, cnt_ptr, num_tiles,
                  limit, s_stride, w0, s0, up_w, up_s, o0, so0, N0, FP8_MASK & 1, F32_MASK & 1, TWO, SPLIT,
-                 BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, SWAP)
+                 BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB)
     if NUM > 1:
         if (tile >= T1) & (tile < T2):
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T1, pid_k, ws_ptr, cnt_ptr,
                      num_tiles, limit, s_stride, w1, s1, w1, s1, o1, so1, N1, (FP8_MASK >> 1) & 1,
-                     (F32_MASK >> 1) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, SWAP)
+                     (F32_MASK >> 1) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB)
     if NUM > 2:
         if (tile >= T2) & (tile < T3):
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T2, pid_k, ws_ptr, cnt_ptr,
                      num_tiles, limit, s_stride, w2, s2, w2, s2, o2, so2, N2, (FP8_MASK >> 2) & 1,
-                     (F32_MASK >> 2) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, SWAP)
+                     (F32_MASK >> 2) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB)
     if NUM > 3:
         if (tile >= T3) & (tile < T4):
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T3, pid_k, ws_ptr, cnt_ptr,
                      num_tiles, limit, s_stride, w3, s3, w3, s3, o3, so3, N3, (FP8_MASK >> 3) & 1,
-                     (F32_MASK >> 3) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, SWAP)
+                     (F32_MASK >> 3) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB)
     if NUM > 4:
         if (tile >= T4) & (tile < T5):
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T4, pid_k, ws_ptr, cnt_ptr,
                      num_tiles, limit, s_stride, w4, s4, w4, s4, o4, so4, N4, (FP8_MASK >> 4) & 1,
-                     (F32_MASK >> 4) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, SWAP)
+                     (F32_MASK >> 4) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB)
     if NUM > 5:
         if tile >= T5:
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T5, pid_k, ws_ptr, cnt_ptr,
                      num_tiles, limit, s_stride, w5, s5, w5, s5, o5, so5, N5, (FP8_MASK >> 5) & 1,
-                     (F32_MASK >> 5) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, SWAP)
+                     (F32_MASK >> 5) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB)
 
 
 def tile_counters(device: torch.device) -> torch.Tensor:
@@ -301,5 +276,5 @@ def launch(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tens
     skinny_kernel[(total, split)](
         x, x.stride(0), M, K, k_iters, iters, split, ws, cnt, total, float(limit), s_stride, up_w, up_s, *per_proj,
         NUM=len(weights), FP8_MASK=fp8_mask, F32_MASK=f32_mask, TWO=up is not None, SPLIT=split > 1,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_DOT=plan.use_dot, F32_SUB=min(plan.f32_sub_k, bk), SWAP=plan.swap,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_DOT=plan.use_dot, F32_SUB=min(plan.f32_sub_k, bk),
         num_warps=plan.num_warps, num_stages=plan.num_stages)

@@ -1,0 +1,153 @@
+"""Launch-variant sweep of the skinny projections and the fused boundary at the slice's real shapes.
+
+`python -m glm5next.bench.sweep --out sweep.json` times every variant in `VARIANTS` (keyword
+overrides of the skinny entry points) on each FP8 projection shape of a DSA layer, the dense MLP
+and the shared expert, and the boundary's (block_t, chunk) tilings, each through CUDA-graph replays
+over weight copies that together exceed the L2 four times. It informs `plan_launch`'s and the
+boundary plan's defaults; the stage-level numbers come from `glm5next bench --mode specialized`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from ..checkpoint.fp8 import quantize_fp8_blocks
+from ..config import MHC_POST_MULT
+from ..kernels.boundary import mhc_boundary
+from ..kernels.linear import gate_up_swiglu, skinny_linear, skinny_linear_multi
+from .floor import capture, measure_read_bandwidth, time_replays
+from .stages import ROTATE_BYTES
+
+VARIANTS = {
+    "heuristic": {},
+    "bk256": dict(block_k=256),
+    "bn128": dict(block_n=128),
+    "bk256-bn128": dict(block_k=256, block_n=128),
+    "split-2x": dict(split_factor=2),
+    "bk256-split-2x": dict(block_k=256, split_factor=2),
+    "gemv": dict(mode="gemv"),
+}
+SHAPES = {
+    # name: (list of [N, K] FP8 weights in one call, gated)
+    "dsa_group": ([(1536, 4096), (576, 4096), (128, 4096)], False),
+    "dsa_q_b": ([(20480, 1536)], False),
+    "dsa_o_proj": ([(4096, 16384)], False),
+    "dense_gate_up": ([(12288, 4096)], True),
+    "dense_down": ([(4096, 12288)], False),
+    "shared_gate_up": ([(2048, 4096)], True),
+    "shared_down": ([(4096, 2048)], False),
+}
+
+
+def _fp8(n: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    w, s = quantize_fp8_blocks(torch.randn(n, k, device=device))
+    return w, s
+
+
+def _time(fn, calls: int, replays: int) -> float:
+    graph = capture(fn)
+    return statistics.median(time_replays(graph, replays, 2)) * 1e3 / calls
+
+
+def sweep_linear(device, m_values, bandwidth: float, replays: int) -> list[dict]:
+    rows = []
+    for name, (shapes, gated) in SHAPES.items():
+        per = sum(n * k for n, k in shapes) * (2 if gated else 1)
+        copies = max(1, -(-ROTATE_BYTES // per))
+        insts = []
+        for _ in range(copies):
+            ws = [_fp8(n, k, device) for n, k in shapes]
+            ups = [_fp8(n, k, device) for n, k in shapes] if gated else None
+            insts.append((ws, ups))
+        for m in m_values:
+            x = torch.randn(m, shapes[0][1], device=device).to(torch.bfloat16) * 0.1
+            for variant, kw in VARIANTS.items():
+                if kw.get("mode") == "gemv" and m > 8:
+                    continue
+
+                def run(kw=kw, insts=insts, x=x):
+                    for ws, ups in insts:
+                        if gated:
+                            gate_up_swiglu(x, *ws[0], *ups[0], 10.0, **kw)
+                        elif len(ws) > 1:
+                            skinny_linear_multi(x, ws, **kw)
+                        else:
+                            skinny_linear(x, *ws[0], **kw)
+
+                try:
+                    us = _time(run, len(insts), replays)
+                except Exception as e:  # a variant that fails to compile here is reported, not fatal
+                    print(f"{name} M={m} {variant}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    torch.cuda.synchronize()
+                    continue
+                frac = per / (us * 1e-6) / bandwidth
+                rows.append(dict(case=name, m=m, variant=variant, us=us, bytes=per, bw_fraction=frac))
+                print(f"{name:15s} M={m:2d} {variant:20s} {us:8.1f} us {100 * frac:5.1f} %", flush=True)
+        insts.clear()
+        torch.cuda.empty_cache()
+    return rows
+
+
+def sweep_boundary(device, t_values, replays: int) -> list[dict]:
+    D, n = 4096, 4
+    w = (2 + n) * n
+    rows = []
+    copies = 64
+    mixers = [((torch.randn(w, n * D, device=device) * 0.015), torch.randn(w, device=device) * 0.5,
+               torch.rand(3, device=device) + 0.5, torch.ones(D, device=device, dtype=torch.bfloat16))
+              for _ in range(copies)]
+    kw = dict(hc_eps=1e-6, rms_eps=1e-5, norm_eps=1e-5, sinkhorn_iters=20, post_mult=MHC_POST_MULT)
+    for T in t_values:
+        out = torch.randn(T, D, device=device).to(torch.bfloat16)
+        streams = torch.randn(T, n, D, device=device).to(torch.bfloat16)
+        post = torch.rand(T, n, device=device) * 2
+        comb = torch.full((T, n, n), 1.0 / n, device=device)
+        bufs = [torch.empty(T, n, D, device=device, dtype=torch.bfloat16), torch.empty(T, n, device=device),
+                torch.empty(T, n, n, device=device), torch.empty(T, D, device=device, dtype=torch.bfloat16)]
+        for block_t in (1, 2, 4):
+            if block_t > T:
+                continue
+            for chunk in (32, 64, 128, 256, 512):
+                def run(block_t=block_t, chunk=chunk):
+                    for mx in mixers:
+                        mhc_boundary(out, streams, post, comb, *mx, **kw, new_streams=bufs[0], new_post=bufs[1],
+                                     new_comb=bufs[2], x=bufs[3], block_t=block_t, chunk=chunk)
+                try:
+                    us = _time(run, copies, replays)
+                except Exception as e:
+                    print(f"boundary T={T} bt={block_t} chunk={chunk}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    torch.cuda.synchronize()
+                    continue
+                rows.append(dict(case="boundary", m=T, variant=f"bt{block_t}-c{chunk}", us=us))
+                print(f"boundary        T={T:2d} bt={block_t} chunk={chunk:3d} {us:8.2f} us", flush=True)
+    return rows
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--m", default="1,8,64")
+    p.add_argument("--t", default="1,4,8,16")
+    p.add_argument("--replays", type=int, default=10)
+    p.add_argument("--skip-linear", action="store_true")
+    p.add_argument("--skip-boundary", action="store_true")
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    device = torch.device("cuda")
+    bw = measure_read_bandwidth(device)
+    print(f"read bandwidth {bw['bytes_per_s'] / 1e12:.2f} TB/s", flush=True)
+    rows = []
+    if not a.skip_boundary:
+        rows += sweep_boundary(device, [int(t) for t in a.t.split(",")], a.replays)
+    if not a.skip_linear:
+        rows += sweep_linear(device, [int(m) for m in a.m.split(",")], bw["bytes_per_s"], a.replays)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(device), "bandwidth": bw, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
