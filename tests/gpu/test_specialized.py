@@ -71,7 +71,8 @@ def test_stages_equal_stock_in_bf16(model, m):
 
 
 def prefilled(model, n, executor=None):
-    cache = ModelCache(model.config, 64 * 24, 16, 64, torch.bfloat16, "cuda", include_mtp=False)
+    dtype = model.embed_tokens.dtype
+    cache = ModelCache(model.config, 64 * 24, 16, 64, dtype, "cuda", include_mtp=False)
     runner = Runner(model, cache, max_model_len=384, executor=executor)
     if executor is not None:
         runner.capture()
@@ -82,27 +83,75 @@ def prefilled(model, n, executor=None):
     return runner, seqs
 
 
-def test_captured_planned_steps_equal_stock_and_agree_over_256_steps(model):
-    ex = SpecializedDecode(model, full_policy(), DEFAULT_CAPTURE_SIZES)
-    planned, p_seqs = prefilled(model, 5, ex)
-    stock, s_seqs = prefilled(model, 5)
+def teacher_forced(runners, steps, n=5):
+    """Per step, each runner's fp32 logits [n, vocab] after the same forced next tokens."""
     g = torch.Generator().manual_seed(5)
-    agree = total = 0
-    for step in range(256):
-        toks = torch.randint(0, 256, (5,), generator=g).tolist()  # teacher forcing: both read the same tokens
-        for seqs in (p_seqs, s_seqs):
+    for _ in range(steps):
+        toks = torch.randint(0, 256, (n,), generator=g).tolist()
+        outs = []
+        for runner, seqs in runners:
             for s, t in zip(seqs, toks):
                 s.token_ids.append(t)
-        replays = planned.num_replays
-        got = planned.step(p_seqs)
-        assert planned.num_replays == replays + 1
-        want = stock.step(s_seqs)
-        if step < 4:
-            assert rel(got, want) < 2e-2, step
+            outs.append(runner.step(seqs).float())
+        yield outs
+
+
+@pytest.fixture(scope="module")
+def model_fp32(wide_dir):
+    return Glm5NextModel.from_pretrained(wide_dir, torch.float32, "cuda", progress=False)
+
+
+def test_captured_planned_steps_equal_stock_in_fp32_over_256_steps(model_fp32):
+    """fp32 (the kernels multiply in tf32x3): the captured planned step equals the stock step and
+    the top-1 tokens agree over 256 teacher-forced steps."""
+    ex = SpecializedDecode(model_fp32, full_policy(), DEFAULT_CAPTURE_SIZES)
+    planned, stock = prefilled(model_fp32, 5, ex), prefilled(model_fp32, 5)
+    agree = total = 0
+    for step, (got, want) in enumerate(teacher_forced([planned, stock], 256)):
+        if step < 8:
+            assert rel(got, want) < 1e-3, step
         agree += int((got.argmax(-1) == want.argmax(-1)).sum())
-        total += 5
+        total += got.shape[0]
+    assert planned[0].num_replays == 256
     assert ex.planned_steps == 2 * len(DEFAULT_CAPTURE_SIZES)  # a warm-up and a capture per size
     assert agree / total >= 0.995, agree / total
+
+
+@pytest.fixture(scope="module")
+def dense_routing_dir(tmp_path_factory):
+    """The small model with every expert selected and no pool dropped: no discrete choice is left for
+    a bf16 rounding to flip. (With top-4 of 16 experts the random router has near-ties, and stock
+    bf16 alone lands 10-30 % away from fp32 on some rows.)"""
+    from glm5next.checkpoint.writer import make_tiny_checkpoint
+
+    path = str(tmp_path_factory.mktemp("dense_routing"))
+    make_tiny_checkpoint(path, seed=3, text_overrides={"index_topk": 1024, "num_experts_per_tok": 16})
+    return path
+
+
+def test_captured_planned_steps_in_bf16_are_as_exact_as_stock_bf16(dense_routing_dir):
+    """bf16, against the fp32 stock step on the same weights: the planned step is no further from it
+    than the stock bf16 step (relative error and top-1 agreement over 256 teacher-forced steps), and
+    close to the stock bf16 step."""
+    bf16 = Glm5NextModel.from_pretrained(dense_routing_dir, torch.bfloat16, "cuda", progress=False)
+    fp32 = Glm5NextModel.from_pretrained(dense_routing_dir, torch.float32, "cuda", progress=False)
+    ex = SpecializedDecode(bf16, full_policy(), DEFAULT_CAPTURE_SIZES)
+    runners = [prefilled(bf16, 5, ex), prefilled(bf16, 5), prefilled(fp32, 5)]
+    agree_planned = agree_stock = total = 0
+    err_planned, err_stock, err_between = [], [], []
+    for planned, stock, exact in teacher_forced(runners, 256):
+        err_planned.append(rel(planned, exact))
+        err_stock.append(rel(stock, exact))
+        err_between.append(rel(planned, stock))
+        agree_planned += int((planned.argmax(-1) == exact.argmax(-1)).sum())
+        agree_stock += int((stock.argmax(-1) == exact.argmax(-1)).sum())
+        total += planned.shape[0]
+    med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+    # Two bf16 paths, each ~2 % from fp32 on this model after 8 layers: their distance is bounded by
+    # the sum, not by one path's error (the per-stage tests hold each stage to 2e-2 of its module).
+    assert med(err_between) < 5e-2, med(err_between)
+    assert med(err_planned) <= 1.5 * med(err_stock) + 1e-3, (med(err_planned), med(err_stock))
+    assert agree_planned >= agree_stock - 0.005 * total, (agree_planned, agree_stock, total)
 
 
 def test_engine_on_the_executor(wide_dir, tmp_path):
