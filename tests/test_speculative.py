@@ -40,6 +40,17 @@ def run(model, tiny_dir, spec=None, oracle=None, graph_mode=False, **kw):
             return out
 
         engine.drafter.draft = draft
+        real_graph = engine.draft_graphs.run
+
+        def graph_run(size, hidden, requests):  # the same for drafts from the post-verify graph
+            out = real_graph(size, hidden, requests)
+            for req, (tokens, _) in zip(requests, out):
+                done, want = req.generated + len(req.tokens), oracle[req.request_id]
+                tokens[:] = [want[done + j] if done + j < len(want) and (done + j) % 5 != 3 else 0
+                             for j in range(len(tokens))]
+            return out
+
+        engine.draft_graphs.run = graph_run
     for rid, prompt, params in workload():
         engine.add_request(rid, prompt, params)
     final = {}
@@ -77,6 +88,41 @@ def test_verify_steps_through_the_captured_path(tiny_fp32, tiny_dir, plain, k):
                       graph_mode=True)
     assert got == plain
     assert engine.stats["graph_steps"] > 0 and all(s % (k + 1) == 0 for s in engine.runner.capture_sizes)
+    m = engine.spec_metrics()
+    assert 0 < m["acceptance_rate"] < 1, m  # drafts accepted, partly accepted and rejected through commit_rows
+
+
+def test_sampled_drafts_through_the_captured_path(tiny_fp32, tiny_dir):
+    """Sampled requests in graph mode: drafts drawn on the device with their filtered distributions."""
+    engine = LLMEngine.from_model(tiny_fp32, Tokenizer.from_dir(tiny_dir), max_num_seqs=8, max_model_len=256,
+                                  speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    engine.runner.graph_mode = True
+    seen = []
+    real = engine.draft_graphs.run
+
+    def spy(size, hidden, requests):
+        out = real(size, hidden, requests)
+        seen.extend(zip(requests, out))
+        return out
+
+    engine.draft_graphs.run = spy
+    for i in range(3):
+        params = SamplingParams(temperature=0.8 if i else 0.0, top_k=40 if i == 2 else -1, max_tokens=12,
+                                ignore_eos=True, seed=i)
+        engine.add_request(f"s{i}", [5 + i, 9, 17], params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert seen
+    for req, (tokens, probs) in seen:
+        assert len(tokens) == 2
+        if req.params.greedy:
+            assert probs is None
+        else:
+            assert probs.shape == (2, tiny_fp32.config.vocab_size)
+            torch.testing.assert_close(probs.sum(-1), torch.ones(2))
+            assert all(float(probs[j, t]) > 0 for j, t in enumerate(tokens))
+            if req.params.top_k > 0:
+                assert int((probs > 0).sum(-1).max()) <= req.params.top_k
 
 
 def test_speculation_through_preemption(tiny_fp32, tiny_dir, plain):
@@ -115,6 +161,17 @@ def test_kda_verify_reads_only_and_commit_advances_over_accepted_tokens(tiny_fp3
         ver.conv.copy_(before[0])
         ver.recurrent.copy_(before[1])
     assert torch.equal(ver.recurrent[0], before[1][0])  # another slot is never touched
+    for n in (0, 1, 3):  # the graph's commit over device tensors: the same states (0: a padding row)
+        if n:
+            KimiDeltaAttention.commit(ver, [1], [n])
+        want = (ver.conv[1].clone(), ver.recurrent[1].clone())
+        ver.conv.copy_(before[0])
+        ver.recurrent.copy_(before[1])
+        KimiDeltaAttention.commit_rows(ver, torch.tensor([1]), torch.tensor([n]))
+        assert torch.equal(ver.conv[1], want[0])
+        torch.testing.assert_close(ver.recurrent[1], want[1], rtol=1e-6, atol=1e-7)
+        ver.conv.copy_(before[0])
+        ver.recurrent.copy_(before[1])
 
 
 def test_rejection_rule_keeps_the_target_distribution():

@@ -5,9 +5,10 @@ For each q = k + 1 and each request count R, R requests of `context` cached toke
 each in one step of R * q tokens: the runner's CUDA graph of that size, stock and planned by the
 specialized executor (built with q), replayed and timed replay by replay. The floor is the step's
 bytes (`floor.step_bytes` with the routing an eager verify step took; the q tokens of a request share
-their reads) over the read bandwidth measured in the same process. Drafting is the MTP layer's
-catch-up over the accepted positions of every request, then k - 1 further draft steps
-(`MtpDrafter.draft`, eager today, timed call by call by `time_draft`).
+their reads) over the read bandwidth measured in the same process. Drafting is what follows a verify
+step: on the GPU the post-verify CUDA graph (`DraftGraphs`: KDA commit, the MTP layer over the q
+verified positions, k draft steps), replayed; on the CPU the eager `MtpDrafter.draft` (catch-up over
+the accepted positions, then k - 1 further draft steps).
 
 Random weights accept no draft, so the throughput assumes a mean accepted length L (tokens per
 verify step, the bonus token included) from public measurements of GLM-5.3-Flash with MTP (2.5-3):
@@ -30,6 +31,7 @@ import time
 
 import torch
 
+from ..runtime.draft_graph import DraftGraphs, DraftRequest
 from ..runtime.metadata import CUDAGraphMode, ForwardContext
 from ..runtime.runner import Runner
 from ..runtime.sampler import SamplingParams
@@ -48,12 +50,20 @@ ASSUMED = ("assumed, not measured: random weights accept no draft. L is the mean
 
 
 def time_draft(drafter: MtpDrafter, rows: list[DraftRow], device: torch.device, iters: int, warmup: int) -> list[float]:
-    """Milliseconds of drafting for `rows`: eager `MtpDrafter.draft` calls timed with CUDA events (its host
-    syncs included). Once drafting is captured, replay its graph here instead."""
+    """Milliseconds of eager drafting for `rows` (`MtpDrafter.draft`, its host syncs included): the CPU's path."""
     return time_eager(lambda: drafter.draft(rows), device, iters, warmup)
 
 
-DRAFT_TIMING = "eager MtpDrafter.draft calls (CUDA events on a GPU, wall clock on the CPU), median"
+def time_draft_graph(graphs: DraftGraphs, size: int, requests: list[DraftRequest], replays: int,
+                     warmup: int) -> list[float]:
+    """Milliseconds of replays of the post-verify graph of `size` tokens (KDA commit, MTP catch-up over
+    the verified positions, k draft steps; greedy) for `requests`, by CUDA events."""
+    graphs.load(size, requests)
+    return time_replays(graphs.graphs[(size, False)][0], replays, warmup)
+
+
+DRAFT_TIMING = ("GPU: replays of the post-verify CUDA graph (KDA commit + MTP catch-up + k draft steps), median; "
+                "CPU: eager MtpDrafter.draft calls, wall clock, median")
 
 NO_POLICY = "no measured policy for this device (pass --policy, or run `glm5next tune-policy`)"
 
@@ -122,6 +132,13 @@ def _measure_q(model, device, q: int, requests: list[int], lengths: list[float],
         drafters["stock"] = MtpDrafter(model, cache, k)
         if executor is not None:
             drafters["specialized"] = MtpDrafter(model, cache, k, executor.draft_stages)
+        if cuda:
+            for path, drafter in list(drafters.items()):
+                graphs = DraftGraphs(runners[path], drafter, k)
+                t = time.perf_counter()
+                graphs.capture()
+                log(f"q={q}: {path} drafting graphs captured in {time.perf_counter() - t:.1f} s")
+                drafters[path] = graphs
     if cuda:
         timer = functools.partial(_time_graph, replays=opts.replays)
     else:
@@ -160,7 +177,7 @@ def _measure_q(model, device, q: int, requests: list[int], lengths: list[float],
             row["top1_agree"] = float((got.argmax(-1) == want.argmax(-1)).float().mean())
         if drafters:
             row["draft"] = _draft_times(drafters, hidden, r, q, lengths, opts, blocks, config.vocab_size, rng, greedy,
-                                        device)
+                                        device, runners, items)
         runner = runners["specialized"] if "specialized_ms" in row else runners["stock"]
         runner.load_decode(items, m)
         row["layers"] = _layer_times(model, executor if "specialized_ms" in row else None, runner, m, timer)
@@ -181,17 +198,27 @@ def _measure_q(model, device, q: int, requests: list[int], lengths: list[float],
 
 def _draft_times(drafters: dict, hidden: torch.Tensor, r: int, q: int, lengths: list[float], opts: StockOptions,
                  blocks: list[list[int]], vocab: int, rng: random.Random, params: SamplingParams,
-                 device: torch.device) -> dict:
+                 device: torch.device, runners: dict, items: list) -> dict:
     """Draft milliseconds of R requests per path at every whole catch-up length n around the assumed
-    lengths (capped at q): the MTP layer over n accepted positions from `context`, then k - 1 draft steps."""
+    lengths (capped at q): n accepted tokens from `context`, then k draft steps (on the GPU through the
+    post-verify graph, which also commits the KDA states and runs the MTP layer over all q positions)."""
     whole = sorted({n for length in lengths for n in (math.floor(min(length, q)), math.ceil(min(length, q)))})
     out: dict = {"timing": DRAFT_TIMING, "catch_up": {}}
+    seeded = SamplingParams(temperature=params.temperature, seed=0)
     for n in whole:
-        rows = [DraftRow(i, blocks[i], opts.context, hidden[i * q : i * q + n],
-                         [rng.randrange(vocab) for _ in range(n)], params) for i in range(r)]
-        out["catch_up"][n] = {f"{path}_ms": statistics.median(time_draft(d, rows, device, opts.eager_iters,
-                                                                            opts.eager_warmup))
-                              for path, d in drafters.items()}
+        times = {}
+        for path, d in drafters.items():
+            if isinstance(d, DraftGraphs):
+                runners[path].load_decode(items, r * q)  # the verify step's metadata, which the graph reads
+                reqs = [DraftRequest(str(i), [rng.randrange(vocab) for _ in range(n)], len(blocks[i]) * opts.block_size,
+                                     seeded, 0) for i in range(r)]
+                t = time_draft_graph(d, r * q, reqs, opts.replays, opts.graph_warmup)
+            else:
+                rows = [DraftRow(i, blocks[i], opts.context, hidden[i * q : i * q + n],
+                                 [rng.randrange(vocab) for _ in range(n)], params) for i in range(r)]
+                t = time_draft(d, rows, device, opts.eager_iters, opts.eager_warmup)
+            times[f"{path}_ms"] = statistics.median(t)
+        out["catch_up"][n] = times
     return out
 
 

@@ -209,6 +209,24 @@ class KimiDeltaAttention(nn.Module):
                 _, s = kda_step(k, k, saved["v"][slot, j], saved["g"][slot, j], saved["beta"][slot, j], s)
             state.recurrent[slot] = s
 
+    @staticmethod
+    def commit_rows(state: KdaState, slots: torch.Tensor, accepted: torch.Tensor) -> None:
+        """`commit` for device tensors, with fixed shapes and no host syncs (it runs inside a CUDA graph):
+        `slots` [N] int64 (padding already redirected to the scratch slot), `accepted` [N] int64
+        tokens to advance over (0 leaves a row as it was)."""
+        saved = state.verify
+        keep = state.conv.shape[-1]
+        window = saved["window"][slots]  # [N, 3HK, keep + q]
+        cols = accepted[:, None] + torch.arange(keep, device=slots.device)
+        conv = window.gather(2, cols[:, None, :].expand(-1, window.shape[1], -1))
+        s = state.recurrent[slots]
+        for j in range(saved["k"].shape[1]):
+            k = saved["k"][slots, j]
+            _, nxt = kda_step(k, k, saved["v"][slots, j], saved["g"][slots, j], saved["beta"][slots, j], s)
+            s = torch.where((accepted > j).view(-1, 1, 1, 1), nxt, s)
+        state.conv.index_copy_(0, slots, conv)
+        state.recurrent.index_copy_(0, slots, s)
+
     def _prefill(
         self,
         mixed: torch.Tensor,

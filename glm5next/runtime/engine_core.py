@@ -142,11 +142,18 @@ class LLMEngine:
         self.scheduler = Scheduler(BlockManager(self.plan.num_blocks, max_num_seqs, block_size), max_num_seqs,
                                    max_num_batched_tokens)
         self.drafter = None
+        self.draft_graphs = None
+        """Speculative decoding: the post-verify graphs (KDA commit, MTP catch-up, drafts)."""
         if self.spec:
             from .speculative import MtpDrafter
 
             stages = self.executor.draft_stages if self.executor is not None else None
             self.drafter = MtpDrafter(self.model, self.cache, k, stages)
+            from .draft_graph import DraftGraphs
+
+            self.draft_graphs = DraftGraphs(self.runner, self.drafter, k)
+            if self.device.type == "cuda" and not enforce_eager:
+                self.draft_graphs.capture()
             self.scheduler.verify_tokens, self.scheduler.lookahead = k + 1, k
             if max_num_batched_tokens < k + 1:
                 raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} cannot hold one {k + 1}-token verify")

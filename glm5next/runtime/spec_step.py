@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from .draft_graph import DraftRequest
 from .speculative import DraftRow, accept_greedy, accept_sampled
 
 
@@ -30,6 +31,7 @@ def spec_step(engine) -> list:
     items = [(r.token_ids + live_of[r.request_id].drafts, r.num_computed, q, r.slot, r.block_ids) for r in out.decodes]
     items += [(r.token_ids, r.num_computed, n, r.slot, r.block_ids) for r, n in out.prefills]
     replayed = None if out.prefills else runner.verify_graph(items)
+    graphed = replayed is not None and engine.draft_graphs is not None
     if replayed is not None:  # a pure verify step of a captured size
         all_logits, hidden = replayed
         starts = [i * q for i in range(len(items) + 1)]
@@ -41,7 +43,7 @@ def spec_step(engine) -> list:
     engine.stats["steps"] += 1
     new: dict[str, list[int]] = {}
     rows: list[DraftRow] = []
-    slots, counts = [], []
+    slots, counts, requests = [], [], []
     with torch.inference_mode():
         for i, r in enumerate(out.decodes):
             live = live_of[r.request_id]
@@ -62,7 +64,13 @@ def spec_step(engine) -> list:
             counts.append(len(toks))
             rows.append(DraftRow(r.slot, r.block_ids, r.num_computed, hidden[a : a + len(toks)], toks,
                                  live.params, live.generator, r.request_id))
-        runner.commit_verify(slots, counts)
+            requests.append(DraftRequest(r.request_id, toks, len(r.block_ids) * sched.block_manager.block_size,
+                                         live.params, len(r.output_token_ids)))
+        if graphed:  # commit, catch-up and drafts in one replay, before any block is freed
+            drafted = dict(zip((d.request_id for d in requests),
+                               engine.draft_graphs.run(runner.graph_size(len(items), len(items)), hidden, requests)))
+        else:
+            runner.commit_verify(slots, counts)
         done = [(j, r, n) for j, (r, n) in enumerate(out.prefills) if r.num_computed + n == len(r.token_ids)]
         if done:
             last = torch.tensor([starts[len(out.decodes) + j + 1] - 1 for j, _, _ in done], device=hidden.device)
@@ -105,6 +113,11 @@ def spec_step(engine) -> list:
         engine.stats["generated_tokens"] += len(toks)
         results.append(engine._output(live, reason))
     # Draft for the requests still decoding; catch the MTP cache up for every row still running.
+    if graphed:
+        for rid, res in drafted.items():
+            if rid in live_of:
+                live_of[rid].drafts, live_of[rid].draft_probs = res
+        return results
     rows = [r for r in rows if r.request_id in live_of]
     for row, res in zip(rows, engine.drafter.draft(rows)):
         if res is not None:
