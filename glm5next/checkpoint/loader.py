@@ -121,7 +121,7 @@ def _read(handles: dict, stored: _Stored, shard: Shard | None, weight_shape: tup
             start, stop = start // FP8_BLOCK, -(-stop // FP8_BLOCK)
         index = [slice(None)] * len(stored.shape)
         index[shard.dim] = slice(start, stop)
-        t = handle.get_slice(stored.key)[tuple(index)]
+        t = handle.get_slice(stored.key)[tuple(index)].contiguous()  # a column slice comes back strided
     n = t.numel() * t.element_size()
     report.bytes_read += n
     report.bytes_by_key[stored.key] = n

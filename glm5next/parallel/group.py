@@ -127,8 +127,3 @@ def init_tensor_parallel(size: int, device_type: str) -> TensorParallel:
 def local_rank() -> int:
     """This process's device index on its host (torchrun's LOCAL_RANK; 0 alone)."""
     return int(os.environ.get("LOCAL_RANK", "0"))
-
-
-def under_torchrun() -> bool:
-    """Whether this process was started by torchrun (or another launcher that sets WORLD_SIZE)."""
-    return "WORLD_SIZE" in os.environ
