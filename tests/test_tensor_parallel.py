@@ -5,10 +5,13 @@ greedy tokens through the engine (rank 0 driving) are identical; the executor pl
 every rank; and bad sizes are refused with errors naming what is wrong."""
 
 import asyncio
+import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 import torch
@@ -209,6 +212,35 @@ def test_cli_generate_under_torchrun_prints_once_and_matches(tp_dir, capsys):
     assert run.returncode == 0, run.stderr[-3000:]
     got = re.findall(r"token ids: (\[.*\])", run.stdout)
     assert len(want) == 1 and got == want, (run.stdout, want)
+
+
+def test_serve_relaunches_itself_answers_like_one_process_and_stops(tp_dir):
+    from glm5next import LLM, SamplingParams
+
+    want = LLM(tp_dir, **ENGINE_ARGS).generate("Hello", SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                                               use_tqdm=False)[0].outputs[0].text
+    cmd = [sys.executable, "-m", "glm5next.cli", "serve", "--model", tp_dir, "--port", "0", "--dtype", "float32",
+           "--device", "cpu", "--max-model-len", "64", "--num-blocks", "8", "--served-model-name", "tiny",
+           "--tensor-parallel-size", "2"]
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env.update(PYTHONUNBUFFERED="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        m = re.search(r"http://[^/\s]+:(\d+)/v1", line)
+        assert m, (line, proc.stderr.read() if proc.poll() is not None else "")
+        req = urllib.request.Request(f"http://127.0.0.1:{m.group(1)}/v1/completions", method="POST",
+                                     headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"model": "tiny", "prompt": "Hello", "max_tokens": 6,
+                                                      "temperature": 0, "ignore_eos": True}).encode())
+        body = json.loads(urllib.request.urlopen(req, timeout=120).read())
+        assert body["choices"][0]["text"] == want
+        proc.send_signal(signal.SIGTERM)  # rank 0 shuts down, then releases rank 1
+        assert proc.wait(timeout=60) == 0, proc.stderr.read()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 # ----------------------------------------------------------------------------- executor

@@ -37,6 +37,8 @@ async def _serve(args) -> int:
 
     core = LLMEngine(args.model, seed=args.seed, progress=False, **engine_kwargs(args))
     if not core.tp.is_driver:  # tensor parallelism: rank 0 serves and drives this rank's forwards
+        for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 handles them, then releases this rank
+            signal.signal(sig, signal.SIG_IGN)
         core.follow()
         return 0
     engine = AsyncLLM(core)
