@@ -18,7 +18,8 @@ from .params import TensorSpec
 
 class MtpLayer(nn.Module):
     """Checkpoint layer `num_hidden_layers`: proposes the token after next from the
-    trunk's post-norm hidden state and the embedding of the next token."""
+    trunk's post-norm hidden state and the embedding of the next token. Under tensor parallelism
+    its DSA and MoE split as the trunk's do; `eh_proj` and the norms are replicated."""
 
     def __init__(self, config: Glm5NextConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
