@@ -1,9 +1,10 @@
 """The tensor-parallel group of one process: its rank, the group's size, and the process groups
 its collectives run on.
 
-Tensor parallelism runs one process per device under `torchrun` (or the CLI's own relaunch
-through it). Model modules receive a `TensorParallel` when they are built and size their
-sharded weights from it; a single-process model gets `SINGLE`, whose collectives are no-ops.
+Tensor parallelism runs one process per device under `torchrun` (or under the CLI's own
+launcher, which sets the same environment). Model modules receive a `TensorParallel` when they
+are built and size their sharded weights from it; a single-process model gets `SINGLE`, whose
+collectives are no-ops.
 """
 
 from __future__ import annotations
