@@ -9,6 +9,7 @@ collectives are no-ops.
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -121,8 +122,16 @@ def init_tensor_parallel(size: int, device_type: str) -> TensorParallel:
         if device_type == "cuda":
             torch.cuda.set_device(local_rank())
         dist.init_process_group(backend=backend)
+        # Tear the groups down before the interpreter does: a gloo group left to exit-time
+        # destructors can abort the process after its work is done.
+        atexit.register(_leave_process_group)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     return TensorParallel(dist.get_rank(), size, dist.group.WORLD, control)
+
+
+def _leave_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def local_rank() -> int:
