@@ -41,6 +41,8 @@ def _run(model: str, prompts: list[str], args) -> int:
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
+    if not llm.engine.tp.is_driver:  # every rank holds the outputs; rank 0 prints them
+        return 0
     n = sum(len(o.outputs[0].token_ids) for o in outs)
     for o in outs:
         print(f"prompt: {o.prompt!r}\noutput: {o.outputs[0].text!r}\ntoken ids: {o.outputs[0].token_ids}")
@@ -80,6 +82,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default=None, help="a policy JSON written by `glm5next tune-policy`")
     p.add_argument("--speculative-config", default=None,
                    help='MTP speculative decoding, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\'')
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="processes (one per GPU) the model is split over; started under torchrun when not "
+                        "already launched by it")
 
 
 def engine_kwargs(args) -> dict:
@@ -88,7 +93,7 @@ def engine_kwargs(args) -> dict:
               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
               num_blocks=args.num_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
               enforce_eager=args.enforce_eager, decode_backend=args.decode_backend, policy=args.policy,
-              speculative_config=args.speculative_config)
+              speculative_config=args.speculative_config, tensor_parallel_size=args.tensor_parallel_size)
     if args.cuda_graph_sizes:
         try:
             kw["capture_sizes"] = [int(x) for x in args.cuda_graph_sizes.split(",") if x.strip()]
@@ -138,6 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    tp = getattr(args, "tensor_parallel_size", 1)
+    if tp > 1 and "WORLD_SIZE" not in os.environ:  # not started by torchrun: start the ranks under it
+        from .parallel.launch import relaunch
+
+        return relaunch(tp, sys.argv[1:] if argv is None else list(argv))
     try:
         return args.func(args)
     except (ValueError, RuntimeError, OSError) as e:

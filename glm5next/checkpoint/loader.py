@@ -4,6 +4,10 @@ Everything is validated before anything is installed: one `CheckpointError`
 lists every offender (missing, unexpected, wrong shape or dtype, FP8 without
 its scales, unreadable shards, a bad config). Then tensors are read and
 installed one at a time, so the weights are never held twice.
+
+Under tensor parallelism a spec names the part of its tensor this rank holds (`TensorSpec.shard`);
+the loader reads only that slice from the shard file, and for an FP8 weight the matching rows or
+columns of its 128x128 block scales. FP8 weights must split on scale-block boundaries.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from ..config import ConfigError, Glm5NextConfig
-from ..model.params import TensorSpec, scale_shape
+from ..model.params import FP8_BLOCK, TensorSpec, scale_shape
+from ..parallel.group import Shard
 from .inventory import LM_HEAD, SCALE_SUFFIX, TEXT_PREFIX, VISUAL_PREFIX, checkpoint_key
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -43,6 +48,10 @@ class LoadReport:
     has_mtp: bool
     installed: int = 0
     fp8: int = 0
+    bytes_read: int = 0
+    """Tensor bytes read from the shard files (under tensor parallelism, this rank's slices only)."""
+    bytes_by_key: dict[str, int] = field(default_factory=dict)
+    """Bytes read per checkpoint key (FP8 scales under their own keys)."""
     skipped: list[str] = field(default_factory=list)
     """Checkpoint keys left alone (vision tower, MTP layer when none was asked for)."""
 
@@ -85,9 +94,9 @@ def load_checkpoint(
     try:
         for name, weight, scale in tqdm(plan, desc="loading weights", unit="tensor", disable=not progress):
             spec = specs[name]
-            t = _open(handles, weight.path).get_tensor(weight.key)
+            t = _read(handles, weight, spec.shard, weight.shape, report)
             if scale is not None:
-                s = _open(handles, scale.path).get_tensor(scale.key)
+                s = _read(handles, scale, spec.shard, weight.shape, report)
                 spec.install(t.to(device), s.to(device=device, dtype=torch.float32))
                 report.fp8 += 1
             else:
@@ -97,6 +106,26 @@ def load_checkpoint(
     finally:
         handles.clear()
     return report
+
+
+def _read(handles: dict, stored: _Stored, shard: Shard | None, weight_shape: tuple[int, ...],
+          report: LoadReport) -> torch.Tensor:
+    """The tensor `stored`, or only the part `shard` names of the weight of `weight_shape`: of the
+    weight itself, or of its block scales (when `stored` is they) the blocks covering that part."""
+    handle = _open(handles, stored.path)
+    if shard is None:
+        t = handle.get_tensor(stored.key)
+    else:
+        start, stop = shard.bounds(weight_shape[shard.dim])
+        if stored.shape != weight_shape:  # the block scales: one row or column per FP8_BLOCK
+            start, stop = start // FP8_BLOCK, -(-stop // FP8_BLOCK)
+        index = [slice(None)] * len(stored.shape)
+        index[shard.dim] = slice(start, stop)
+        t = handle.get_slice(stored.key)[tuple(index)].contiguous()  # a column slice comes back strided
+    n = t.numel() * t.element_size()
+    report.bytes_read += n
+    report.bytes_by_key[stored.key] = n
+    return t
 
 
 def _open(handles: dict, path: str):
@@ -167,6 +196,17 @@ def _read_headers(model_dir: str, problems: list[str]) -> tuple[dict[str, _Store
     return stored, lost
 
 
+def _check_fp8_shard(st: _Stored, spec: TensorSpec, problems: list[str]) -> None:
+    """Adds a problem when this tensor-parallel split of an FP8 weight cuts through its scale blocks."""
+    shard = spec.shard
+    dim = shard.dim
+    part = spec.shape[dim] // shard.size
+    if part % FP8_BLOCK:
+        problems.append(f"tensor parallel: {st.key} is FP8 with {FP8_BLOCK}x{FP8_BLOCK} scale blocks, but "
+                        f"tensor_parallel_size={shard.size} splits its dimension {dim} ({spec.shape[dim]}) into "
+                        f"parts of {part}, not a multiple of {FP8_BLOCK}")
+
+
 def _text_name(key: str) -> str | None:
     """The inventory name of a text key, or None for a key outside the text namespaces."""
     if key in (LM_HEAD, LM_HEAD + SCALE_SUFFIX):
@@ -234,6 +274,8 @@ def _match(
                                 f"expected shape {list(scale_shape(tuple(spec.shape)))})")
             elif scale is not None:
                 used.add(scale_name)
+                if spec.shard is not None:
+                    _check_fp8_shard(st, spec, problems)
                 if scale.shape != scale_shape(tuple(spec.shape)):
                     problems.append(f"wrong shape: {scale.key}: expected {list(scale_shape(tuple(spec.shape)))}, "
                                     f"found {list(scale.shape)}")

@@ -5,6 +5,11 @@ into the paged caches, builds the pools its tokens complete, then lets every
 token attend, in absorbed form over the latent cache, to the tokens of its
 selected pools plus its incomplete-pool tail. Decode rows run with static
 shapes (CUDA-graph safe); prefill rows run per sequence in query chunks.
+
+Under tensor parallelism each rank holds a contiguous range of heads (their rows of q_b_proj and
+kv_b_proj, their columns of o_proj) and the output projection's partial sums are all-reduced. The
+latent `c` and the indexer keys are per token, shared by every head, so the paged caches are
+replicated: every rank computes and stores the same rows.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from ..config import Glm5NextConfig
 from ..runtime.cache import DsaCache
 from ..runtime.metadata import AttnMetadata
 from .indexer import Indexer
+from ..parallel.group import SINGLE, TensorParallel
+from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
 from .linear import Linear
 from .norm import RMSNorm
 from .params import TensorSpec
@@ -29,26 +36,30 @@ MAX_PREFILL_CHUNK = 256
 class SparseMLA(nn.Module):
     """Layer `layer_idx`'s DeepSeek-sparse-attention sublayer: MLA projections, indexer, sparse attention."""
 
-    def __init__(self, config: Glm5NextConfig, layer_idx: int) -> None:
+    def __init__(self, config: Glm5NextConfig, layer_idx: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
         self.prefix = f"layers.{layer_idx}.self_attn"
-        self.num_heads = config.num_attention_heads
+        heads_what = "num_attention_heads"
+        self.num_heads = tp.split(config.num_attention_heads, heads_what)
+        """This rank's heads (all of them on one process)."""
         self.nope_dim = config.qk_nope_head_dim
         self.v_dim = config.v_head_dim
         self.kv_lora_rank = config.kv_lora_rank
         self.kpool = config.index_kpool
         self.scale = config.mla_softmax_scale
-        h, eps = config.hidden_size, config.rms_norm_eps
+        h, eps, heads = config.hidden_size, config.rms_norm_eps, config.num_attention_heads
+        # The latents (q_a, kv_a and their norms) are shared by every head: replicated, so every rank
+        # writes the same latent cache. The per-head up-projections split by heads, o_proj by rows.
         self.q_a_proj = Linear(h, config.q_lora_rank)
         self.q_a_layernorm = RMSNorm(config.q_lora_rank, eps)
-        self.q_b_proj = Linear(config.q_lora_rank, self.num_heads * self.nope_dim)
+        self.q_b_proj = ColumnParallelLinear(config.q_lora_rank, heads * self.nope_dim, tp, heads_what)
         self.kv_a_proj_with_mqa = Linear(h, self.kv_lora_rank)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps)
-        self.kv_b_proj = Linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim))
-        self.o_proj = Linear(self.num_heads * self.v_dim, h)
-        self.indexer = Indexer(config)
+        self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, heads * (self.nope_dim + self.v_dim), tp, heads_what)
+        self.o_proj = RowParallelLinear(heads * self.v_dim, h, tp, heads_what)
+        self.indexer = Indexer(config, tp)
 
     def tensor_specs(self, prefix: str) -> dict[str, TensorSpec]:
         """Every checkpoint tensor of this sublayer under `prefix` (e.g. `layers.3.self_attn`)."""

@@ -3,7 +3,9 @@
 Pools are `index_kpool` consecutive tokens aligned to absolute positions; pool
 `p` holds positions `kpool*p .. kpool*p + kpool-1` and exists once its last
 token is cached. A query scores every complete, causal pool and keeps the best
-`index_topk / index_kpool` of them (spec section 6.2-6.3).
+`index_topk / index_kpool` of them (spec section 6.2-6.3). Under tensor parallelism each rank
+scores with its own heads and the pool scores are summed over the ranks before the top-k, so
+every rank selects the same pools.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ from torch import nn
 
 from ..config import INDEXER_KEY_NORM_EPS, Glm5NextConfig
 from ..runtime.cache import DsaCache
+from ..parallel.collectives import all_reduce
+from ..parallel.group import SINGLE, TensorParallel
+from ..parallel.layers import ColumnParallelLinear
 from .linear import Linear
 from .params import TensorSpec, set_param
 
@@ -73,19 +78,24 @@ def top_pools(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor
 class Indexer(nn.Module):
     """The indexer of one DSA layer: query/key/weight projections, the KPool gate and the pool selection."""
 
-    def __init__(self, config: Glm5NextConfig) -> None:
+    def __init__(self, config: Glm5NextConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.n_heads = config.index_n_heads
+        heads, what = config.index_n_heads, "index_n_heads"
+        self.n_heads = tp.split(heads, what)
+        """This rank's indexer heads (all of them on one process)."""
         self.head_dim = config.index_head_dim
         self.kpool = config.index_kpool
         self.topk_pools = config.index_topk_pools
         self.hidden_size = config.hidden_size
+        self.tp = tp
         self.softmax_scale = self.head_dim**-0.5
-        self.head_weight_scale = self.n_heads**-0.5
-        self.wq_b = Linear(config.q_lora_rank, self.n_heads * self.head_dim)
+        self.head_weight_scale = heads**-0.5
+        # Queries and head weights split by heads; the one key per token (wk, k_norm, the KPool gate)
+        # is shared by every head, so it is replicated.
+        self.wq_b = ColumnParallelLinear(config.q_lora_rank, heads * self.head_dim, tp, what)
         self.wk = Linear(config.hidden_size, self.head_dim)
         self.k_norm = LayerNorm(self.head_dim, INDEXER_KEY_NORM_EPS)
-        self.weights_proj = Linear(config.hidden_size, self.n_heads)
+        self.weights_proj = ColumnParallelLinear(config.hidden_size, heads, tp, what)
         meta = dict(device="meta")
         self.index_kpool_compress_gate = nn.Parameter(torch.empty(self.head_dim, self.hidden_size, **meta), False)
         self.index_kpool_compress_ape = nn.Parameter(torch.empty(self.kpool, self.head_dim, **meta), False)
@@ -144,4 +154,5 @@ class Indexer(nn.Module):
         scores = torch.matmul(q.float(), pool_keys.float().transpose(-1, -2))
         scores = torch.relu(scores * self.softmax_scale)
         index_scores = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)
-        return top_pools(index_scores, visible, k)
+        # A sum over heads: with the heads split over the ranks, every rank ranks the same full sum.
+        return top_pools(all_reduce(index_scores, self.tp), visible, k)

@@ -3,7 +3,9 @@
 Per token: q/k/v projections through a causal depthwise short conv and SiLU, a
 bounded per-channel log-decay gate, a per-head write strength beta, the delta
 rule on an fp32 state [H, K, V] per sequence (see `kda_recurrence`), then a
-sigmoid-gated RMSNorm per head and the output projection.
+sigmoid-gated RMSNorm per head and the output projection. Under tensor parallelism each rank
+holds a contiguous range of heads (their projections, convs, gates and states) and the output
+projection's partial sums are all-reduced.
 
 Decode rows run as one fixed-shape step over all decode sequences (CUDA-graph
 safe); prefill sequences run eagerly one at a time through the chunked delta
@@ -22,6 +24,8 @@ from ..config import KDA_L2_EPS, Glm5NextConfig
 from ..runtime.cache import KdaState
 from ..runtime.metadata import AttnMetadata
 from .kda_recurrence import kda_chunked, kda_step
+from ..parallel.group import SINGLE, TensorParallel
+from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
 from .linear import Linear
 from .params import TensorSpec, set_param
 
@@ -48,27 +52,34 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 class KimiDeltaAttention(nn.Module):
     """One KDA layer: `[T, hidden] -> [T, hidden]` over a step's decode and prefill sequences."""
 
-    def __init__(self, config: Glm5NextConfig, layer_idx: int) -> None:
+    def __init__(self, config: Glm5NextConfig, layer_idx: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        hidden, heads, dim = config.hidden_size, config.linear_num_heads, config.linear_head_dim
-        width = heads * dim
+        hidden, dim = config.hidden_size, config.linear_head_dim
+        heads_what = "linear_attn_config.num_heads"
+        heads = tp.split(config.linear_num_heads, heads_what)
+        full = config.linear_num_heads * dim
         self.layer_idx = layer_idx
         self.prefix = f"layers.{layer_idx}.self_attn"
         self.hidden_size = hidden
         self.num_heads = heads
+        """This rank's heads (all of them on one process)."""
         self.head_dim = dim
+        self.tp = tp
         self.conv_kernel = config.linear_conv_kernel_dim
         self.lower_bound = config.linear_lower_bound
         self.norm_eps = config.rms_norm_eps
-        self.q_proj = Linear(hidden, width)
-        self.k_proj = Linear(hidden, width)
-        self.v_proj = Linear(hidden, width)
-        self.b_proj = Linear(hidden, heads)
+        # Heads split over the ranks: every per-head projection is column-parallel, o_proj row-parallel;
+        # the low-rank f_a / g_a projections (one head_dim-wide latent shared by all heads) are replicated.
+        self.q_proj = ColumnParallelLinear(hidden, full, tp, heads_what)
+        self.k_proj = ColumnParallelLinear(hidden, full, tp, heads_what)
+        self.v_proj = ColumnParallelLinear(hidden, full, tp, heads_what)
+        self.b_proj = ColumnParallelLinear(hidden, config.linear_num_heads, tp, heads_what)
         self.f_a_proj = Linear(hidden, dim)
-        self.f_b_proj = Linear(dim, width)
+        self.f_b_proj = ColumnParallelLinear(dim, full, tp, heads_what)
         self.g_a_proj = Linear(hidden, dim)
-        self.g_b_proj = Linear(dim, width)
-        self.o_proj = Linear(width, hidden)
+        self.g_b_proj = ColumnParallelLinear(dim, full, tp, heads_what)
+        self.o_proj = RowParallelLinear(full, hidden, tp, heads_what)
+        width = heads * dim
         meta = dict(device="meta", dtype=torch.float32)
         for name in _CONVS:
             setattr(self, name, nn.Parameter(torch.empty(width, 1, self.conv_kernel, **meta), requires_grad=False))
@@ -85,11 +96,14 @@ class KimiDeltaAttention(nn.Module):
         def setter(attr: str):
             return lambda t, scale: set_param(self, attr, t)
 
-        width = self.num_heads * self.head_dim
+        heads = self.num_heads * self.tp.size
+        width = heads * self.head_dim
+        by_head = self.tp.shard(0)
         for name in _CONVS:
-            specs[f"{prefix}.{name}.weight"] = TensorSpec((width, 1, self.conv_kernel), setter(name), keep_fp32=True)
-        specs[f"{prefix}.A_log"] = TensorSpec((self.num_heads,), setter("A_log"), keep_fp32=True)
-        specs[f"{prefix}.dt_bias"] = TensorSpec((width,), setter("dt_bias"), keep_fp32=True)
+            specs[f"{prefix}.{name}.weight"] = TensorSpec((width, 1, self.conv_kernel), setter(name), keep_fp32=True,
+                                                         shard=by_head)
+        specs[f"{prefix}.A_log"] = TensorSpec((heads,), setter("A_log"), keep_fp32=True, shard=by_head)
+        specs[f"{prefix}.dt_bias"] = TensorSpec((width,), setter("dt_bias"), keep_fp32=True, shard=by_head)
         specs[f"{prefix}.o_norm.weight"] = TensorSpec((self.head_dim,), setter("o_norm_weight"))
         return specs
 

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from ..config import DSA, KDA, Glm5NextConfig
+from ..parallel.group import SINGLE, TensorParallel
 from ..runtime.cache import ModelCache
 from ..runtime.metadata import CUDAGraphMode, ForwardContext
 from .dsa import SparseMLA
@@ -18,22 +19,23 @@ from .params import TensorSpec
 
 
 class DecoderLayer(nn.Module):
-    """Layer `layer_idx` of the trunk."""
+    """Layer `layer_idx` of the trunk. Under tensor parallelism both sublayers return outputs already
+    all-reduced over the ranks, so the mHC mixers and norms run replicated on identical values."""
 
-    def __init__(self, config: Glm5NextConfig, layer_idx: int) -> None:
+    def __init__(self, config: Glm5NextConfig, layer_idx: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.layer_kind = config.layer_kinds[layer_idx]
         self.mlp_is_moe = config.moe_layers[layer_idx]
         self.prefix = f"layers.{layer_idx}"
         if self.layer_kind == KDA:
-            self.self_attn = KimiDeltaAttention(config, layer_idx)
+            self.self_attn = KimiDeltaAttention(config, layer_idx, tp)
         else:
-            self.self_attn = SparseMLA(config, layer_idx)
+            self.self_attn = SparseMLA(config, layer_idx, tp)
         if self.mlp_is_moe:
-            self.mlp = MoE(config)
+            self.mlp = MoE(config, tp)
         else:
-            self.mlp = MLP(config.hidden_size, config.intermediate_size, config.swiglu_limit)
+            self.mlp = MLP(config.hidden_size, config.intermediate_size, config.swiglu_limit, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn_hc = HyperConnection(config)

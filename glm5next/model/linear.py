@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..parallel.group import Shard
 from .params import FP8_DTYPE, TensorSpec, dequantize_fp8, set_param
 from .routing import route_of
 
@@ -21,6 +22,8 @@ class Linear(nn.Module):
         self.keep_fp32 = keep_fp32
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device="meta"), requires_grad=False)
         self.weight_scale_inv: torch.Tensor | None = None
+        self.shard: Shard | None = None
+        """The part of the checkpoint weight this tensor-parallel rank holds (None: all of it)."""
 
     @property
     def is_fp8(self) -> bool:
@@ -46,8 +49,11 @@ class Linear(nn.Module):
             set_param(self, "weight", t)
             self.weight_scale_inv = None if scale is None else nn.Parameter(scale, requires_grad=False)
 
-        shape = (self.out_features, self.in_features)
-        return {f"{prefix}.weight": TensorSpec(shape, install, fp8_ok=not self.keep_fp32, keep_fp32=self.keep_fp32)}
+        shape = [self.out_features, self.in_features]
+        if self.shard is not None:
+            shape[self.shard.dim] *= self.shard.size
+        return {f"{prefix}.weight": TensorSpec(tuple(shape), install, fp8_ok=not self.keep_fp32,
+                                               keep_fp32=self.keep_fp32, shard=self.shard)}
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}"

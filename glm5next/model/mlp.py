@@ -6,7 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .linear import Linear
+from ..parallel.collectives import all_reduce
+from ..parallel.group import SINGLE, TensorParallel
+from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
 from .params import TensorSpec
 from .routing import route_of
 
@@ -17,20 +19,29 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
 
 
 class MLP(nn.Module):
-    """`down(swiglu(gate(x), up(x)))` with the checkpoint's clamp limit."""
+    """`down(swiglu(gate(x), up(x)))` with the checkpoint's clamp limit.
 
-    def __init__(self, hidden_size: int, intermediate_size: int, swiglu_limit: float) -> None:
+    Under tensor parallelism the width splits over the ranks (gate/up by rows, down by columns) and
+    the output is all-reduced, unless `reduce` is False (the shared expert: the MoE reduces once).
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, swiglu_limit: float, tp: TensorParallel = SINGLE,
+                 what: str = "intermediate_size", reduce: bool = True) -> None:
         super().__init__()
         self.swiglu_limit = swiglu_limit
-        self.gate_proj = Linear(hidden_size, intermediate_size)
-        self.up_proj = Linear(hidden_size, intermediate_size)
-        self.down_proj = Linear(intermediate_size, hidden_size)
+        self.tp = tp
+        self.reduce = reduce
+        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, tp, what)
+        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, tp, what)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp, what, reduce=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         route = route_of(self)
         if route is not None:
-            return route(x)
-        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.swiglu_limit))
+            y = route(x)
+        else:
+            y = self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.swiglu_limit))
+        return all_reduce(y, self.tp) if self.reduce else y
 
     def tensor_specs(self, prefix: str) -> dict[str, TensorSpec]:
         """The gate, up and down projection weights under `prefix`."""

@@ -7,6 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ROUTER_NORM_EPS, Glm5NextConfig
+from ..parallel.collectives import all_reduce
+from ..parallel.group import SINGLE, TensorParallel
 from .mlp import MLP, clamped_swiglu
 from .params import FP8_DTYPE, TensorSpec, dequantize_fp8, set_param
 
@@ -51,18 +53,26 @@ class Router(nn.Module):
 
 class RoutedExperts(nn.Module):
     """Every routed expert's weights stacked: gate/up [E, I, D], down [E, D, I],
-    FP8 with block scales [E, ., .] when the checkpoint stores them so."""
+    FP8 with block scales [E, ., .] when the checkpoint stores them so.
+
+    Under tensor parallelism every rank holds every expert, each on its slice of the intermediate
+    width I (gate/up rows, down columns), so the output is a partial sum over the ranks.
+    """
 
     NAMES = ("gate_proj", "up_proj", "down_proj")
 
-    def __init__(self, config: Glm5NextConfig) -> None:
+    def __init__(self, config: Glm5NextConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.num_experts = config.n_routed_experts
         self.swiglu_limit = config.swiglu_limit
         d, i = config.hidden_size, config.moe_intermediate_size
         self.shapes = {"gate_proj": (i, d), "up_proj": (i, d), "down_proj": (d, i)}
+        """Checkpoint shapes of one expert's weights."""
+        self.shards = {"gate_proj": tp.shard(0), "up_proj": tp.shard(0), "down_proj": tp.shard(1)}
+        tp.split(i, "moe_intermediate_size")
         for name, shape in self.shapes.items():
-            setattr(self, name, nn.Parameter(torch.empty(self.num_experts, *shape, device="meta"), requires_grad=False))
+            local = self.shards[name].local_shape(shape) if self.shards[name] is not None else shape
+            setattr(self, name, nn.Parameter(torch.empty(self.num_experts, *local, device="meta"), requires_grad=False))
             setattr(self, f"{name}_scale_inv", None)
 
     def _install(self, name: str, expert: int, t: torch.Tensor, scale: torch.Tensor | None) -> None:
@@ -86,7 +96,7 @@ class RoutedExperts(nn.Module):
         for e in range(self.num_experts):
             for name, shape in self.shapes.items():
                 install = (lambda n, e: lambda t, s: self._install(n, e, t, s))(name, e)
-                specs[f"{prefix}.{e}.{name}.weight"] = TensorSpec(shape, install, fp8_ok=True)
+                specs[f"{prefix}.{e}.{name}.weight"] = TensorSpec(shape, install, fp8_ok=True, shard=self.shards[name])
         return specs
 
     def weight(self, name: str, expert: int | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -147,18 +157,25 @@ class RoutedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed experts plus the shared expert (which is not scaled)."""
+    """Routed experts plus the shared expert (which is not scaled).
 
-    def __init__(self, config: Glm5NextConfig) -> None:
+    Under tensor parallelism the router is replicated (every rank routes its identical input the
+    same way), both expert kinds split their widths, and their summed partial outputs are
+    all-reduced once.
+    """
+
+    def __init__(self, config: Glm5NextConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
+        self.tp = tp
         self.gate = Router(config)
-        self.experts = RoutedExperts(config)
+        self.experts = RoutedExperts(config, tp)
         width = config.moe_intermediate_size * config.n_shared_experts
-        self.shared_experts = MLP(config.hidden_size, width, config.swiglu_limit)
+        self.shared_experts = MLP(config.hidden_size, width, config.swiglu_limit, tp,
+                                  "moe_intermediate_size * n_shared_experts", reduce=False)
 
     def forward(self, x: torch.Tensor, graph_safe: bool = False) -> torch.Tensor:
         ids, weights = self.gate(x)
-        return self.experts(x, ids, weights, graph_safe) + self.shared_experts(x)
+        return all_reduce(self.experts(x, ids, weights, graph_safe) + self.shared_experts(x), self.tp)
 
     def tensor_specs(self, prefix: str) -> dict[str, TensorSpec]:
         """Router, routed experts and shared expert tensors under `prefix` (e.g. `layers.3.mlp`)."""

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from ..config import DSA, Glm5NextConfig
+from ..parallel.group import SINGLE, TensorParallel
 from ..runtime.cache import ModelCache
 from ..runtime.metadata import CUDAGraphMode, ForwardContext
 from .dsa import SparseMLA
@@ -17,9 +18,10 @@ from .params import TensorSpec
 
 class MtpLayer(nn.Module):
     """Checkpoint layer `num_hidden_layers`: proposes the token after next from the
-    trunk's post-norm hidden state and the embedding of the next token."""
+    trunk's post-norm hidden state and the embedding of the next token. Under tensor parallelism
+    its DSA and MoE split as the trunk's do; `eh_proj` and the norms are replicated."""
 
-    def __init__(self, config: Glm5NextConfig) -> None:
+    def __init__(self, config: Glm5NextConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         d, eps = config.hidden_size, config.rms_norm_eps
         self.layer_idx = config.mtp_layer_idx
@@ -31,8 +33,8 @@ class MtpLayer(nn.Module):
         self.eh_proj = Linear(2 * d, d)
         self.input_layernorm = RMSNorm(d, eps)
         self.post_attention_layernorm = RMSNorm(d, eps)
-        self.self_attn = SparseMLA(config, self.layer_idx)
-        self.mlp = MoE(config)
+        self.self_attn = SparseMLA(config, self.layer_idx, tp)
+        self.mlp = MoE(config, tp)
         self.shared_head_norm = RMSNorm(d, eps)
 
     def forward(

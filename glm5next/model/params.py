@@ -13,6 +13,8 @@ from typing import Callable
 
 import torch
 
+from ..parallel.group import Shard
+
 FP8_DTYPE = torch.float8_e4m3fn
 """Storage dtype of FP8 block-quantized weights."""
 FP8_BLOCK = 128
@@ -30,6 +32,14 @@ class TensorSpec:
     """Whether the checkpoint may store it as FP8 e4m3 with a `_scale_inv` sibling."""
     keep_fp32: bool = False
     """Whether it stays fp32 in a bf16 model (mixers, router, gates, conv)."""
+    shard: Shard | None = None
+    """The part of the tensor this tensor-parallel rank holds (None: all of it). `shape` is the
+    checkpoint's full shape; `install` receives the part (and the matching part of the FP8 scales)."""
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """The shape of what `install` receives."""
+        return self.shard.local_shape(self.shape) if self.shard is not None else tuple(self.shape)
 
 
 def scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -65,5 +75,5 @@ def install_random(
     g = torch.Generator().manual_seed(seed)
     for name in sorted(specs):
         spec = specs[name]
-        t = torch.randn(spec.shape, generator=g) * std
+        t = torch.randn(spec.local_shape, generator=g) * std
         spec.install(t.to(device=device, dtype=torch.float32 if spec.keep_fp32 else dtype), None)

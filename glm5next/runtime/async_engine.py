@@ -42,6 +42,7 @@ class AsyncLLM:
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._ids = itertools.count()
+        self._released = False
 
     @classmethod
     def from_args(cls, model: str, **kwargs) -> "AsyncLLM":
@@ -57,11 +58,15 @@ class AsyncLLM:
             self._thread.start()
 
     async def shutdown(self) -> None:
-        """Stop the worker after its current step; live streams end with an error."""
+        """Stop the worker after its current step (and the other tensor-parallel ranks' loops);
+        live streams end with an error."""
         self._stop.set()
         self._commands.put(("wake", None, None))
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        if not self._released:
+            self._released = True
+            self.engine.release_followers()
 
     @property
     def errored(self) -> bool:

@@ -4,6 +4,10 @@ Every tensor carries one extra scratch block (paged caches) or slot (KDA
 states) past the end. Rows whose slot is -1 (graph padding) are redirected
 there, so a padded row never touches a real sequence's cache and every write
 keeps a static shape.
+
+Under tensor parallelism each rank holds the KDA states of its own heads only. The DSA caches
+hold per-token latents and indexer keys shared by every head, so every rank holds all of them
+(each writes the same rows); only the per-sequence KDA slots shrink with the group size.
 """
 
 from __future__ import annotations
@@ -80,6 +84,7 @@ class ModelCache:
         device: torch.device | str,
         include_mtp: bool = True,
         verify_tokens: int = 0,
+        tp_size: int = 1,
     ) -> None:
         if block_size % config.index_kpool:
             raise ValueError(f"block_size={block_size} must be a multiple of index_kpool={config.index_kpool}")
@@ -100,7 +105,8 @@ class ModelCache:
                 index_gate=torch.zeros(num_blocks + 1, block_size, config.index_head_dim, dtype=dtype, device=device),
                 pooled_key=torch.zeros(num_blocks + 1, pools, config.index_head_dim, dtype=dtype, device=device),
             )
-        c, h, d = config.kda_dim, config.linear_num_heads, config.linear_head_dim
+        h, d = config.linear_num_heads // tp_size, config.linear_head_dim
+        c = h * d
         for i, k in enumerate(config.layer_kinds):
             if k == KDA:
                 self.kda[i] = KdaState(
@@ -132,24 +138,25 @@ class ModelCache:
         return int(n * block_size * per_token * torch.tensor([], dtype=dtype).element_size())
 
     @staticmethod
-    def bytes_per_slot(config: Glm5NextConfig, dtype: torch.dtype, verify_tokens: int = 0) -> int:
+    def bytes_per_slot(config: Glm5NextConfig, dtype: torch.dtype, verify_tokens: int = 0, tp_size: int = 1) -> int:
         """Bytes one sequence's KDA states cost across every KDA layer (with the verify scratch of
-        `verify_tokens`-token speculative steps, when > 1)."""
+        `verify_tokens`-token speculative steps, when > 1), on one of `tp_size` ranks."""
         n = sum(1 for k in config.layer_kinds if k == KDA)
         size = torch.tensor([], dtype=dtype).element_size()
         keep = config.linear_conv_kernel_dim - 1
-        h, d = config.linear_num_heads, config.linear_head_dim
-        per = 3 * config.kda_dim * keep * size + h * d * d * 4
+        h, d = config.linear_num_heads // tp_size, config.linear_head_dim
+        per = 3 * h * d * keep * size + h * d * d * 4
         if verify_tokens > 1:
-            per += 3 * config.kda_dim * (keep + verify_tokens) * size + verify_tokens * (3 * h * d + h) * 4
+            per += 3 * h * d * (keep + verify_tokens) * size + verify_tokens * (3 * h * d + h) * 4
         return n * per
 
 
 def blocks_for_budget(
     config: Glm5NextConfig, budget_bytes: int, block_size: int, num_slots: int, dtype: torch.dtype,
-    include_mtp: bool = True, verify_tokens: int = 0,
+    include_mtp: bool = True, verify_tokens: int = 0, tp_size: int = 1,
 ) -> int:
-    """Paged blocks that fit in `budget_bytes` once `num_slots` KDA slots (and the scratch block and slot) are paid."""
+    """Paged blocks that fit in `budget_bytes` once `num_slots` KDA slots (and the scratch block and slot) are paid,
+    on one of `tp_size` ranks."""
     per_block = ModelCache.bytes_per_block(config, block_size, dtype, include_mtp)
-    rest = budget_bytes - (num_slots + 1) * ModelCache.bytes_per_slot(config, dtype, verify_tokens) - per_block
+    rest = budget_bytes - (num_slots + 1) * ModelCache.bytes_per_slot(config, dtype, verify_tokens, tp_size) - per_block
     return max(rest // per_block, 0)

@@ -47,7 +47,8 @@ def _profile_peak(model: Glm5NextModel, block_size: int, chunk: int, decode_rows
 
     device = model.embed_tokens.device
     blocks = -(-chunk // block_size)
-    cache = ModelCache(model.config, blocks, block_size, 1, model.embed_tokens.dtype, device, include_mtp=False)
+    cache = ModelCache(model.config, blocks, block_size, 1, model.embed_tokens.dtype, device, include_mtp=False,
+                       tp_size=model.tp.size)
     runner = Runner(model, cache, max_model_len=blocks * block_size, capture_sizes=(max(decode_rows, 1),))
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
@@ -101,11 +102,11 @@ def plan_cache(
         free, total = torch.cuda.mem_get_info(device)
         budget = int(gpu_memory_utilization * total) - (total - free) - activation
         num_blocks = blocks_for_budget(config, budget, block_size, max_num_seqs, dtype, include_mtp=include_mtp,
-                                       verify_tokens=verify_tokens)
+                                       verify_tokens=verify_tokens, tp_size=model.tp.size)
     else:
         budget = CPU_CACHE_BYTES
         num_blocks = min(blocks_for_budget(config, budget, block_size, max_num_seqs, dtype, include_mtp=include_mtp,
-                                           verify_tokens=verify_tokens),
+                                           verify_tokens=verify_tokens, tp_size=model.tp.size),
                          need * max_num_seqs)
     if num_blocks < need:
         per_block = ModelCache.bytes_per_block(config, block_size, dtype, include_mtp=include_mtp)

@@ -12,8 +12,13 @@ __all__ = ["LLM", "SamplingParams", "CompletionOutput", "RequestOutput"]
 
 
 class LLM:
-    """GLM-5.3-Flash for offline generation on one device: every prompt of a call is
-    batched continuously by the engine, and the results come back in prompt order."""
+    """GLM-5.3-Flash for offline generation: every prompt of a call is batched continuously by
+    the engine, and the results come back in prompt order.
+
+    With `tensor_parallel_size=N`, run the same script on N processes under `torchrun`: every rank
+    calls `generate` with the same prompts; rank 0 schedules and drives the others' forwards, and
+    every rank returns rank 0's outputs.
+    """
 
     def __init__(
         self,
@@ -33,13 +38,14 @@ class LLM:
         decode_backend: str = "stock",
         policy: str | None = None,
         speculative_config=None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         self.engine = LLMEngine(
             model, dtype=dtype, device=device, max_model_len=max_model_len, block_size=block_size,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, num_blocks=num_blocks,
             gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
             capture_sizes=capture_sizes, seed=seed, progress=progress, decode_backend=decode_backend, policy=policy,
-            speculative_config=speculative_config,
+            speculative_config=speculative_config, tensor_parallel_size=tensor_parallel_size,
         )
         self.model, self.config, self.tokenizer = self.engine.model, self.engine.config, self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
@@ -60,6 +66,19 @@ class LLM:
                 self.engine.validate(p, params[i])
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
+        if not self.engine.tp.is_driver:
+            results = self.engine.follow()
+            if results is None:
+                raise RuntimeError("rank 0 stopped generating without results (see its error)")
+            return results
+        results = None
+        try:
+            results = self._generate(prompts, params, use_tqdm)
+        finally:
+            self.engine.release_followers(results)
+        return results
+
+    def _generate(self, prompts: list, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
         for rid, p, sp in zip(ids, prompts, params):
             self.engine.add_request(rid, p, sp)

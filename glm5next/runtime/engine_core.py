@@ -4,6 +4,10 @@
 graphs for pure-decode steps), the cache it sized from a memory budget, the
 device-side sampler, and per-request detokenization and stop checks. Both
 `LLM.generate` and the asynchronous engine behind the server drive it.
+
+With `tensor_parallel_size=N` (under `torchrun`, one process per device) every rank builds the
+engine over its shards; rank 0 schedules and drives the others' forwards (see `driver`), and the
+other ranks serve in `follow()`.
 """
 
 from __future__ import annotations
@@ -15,11 +19,14 @@ from dataclasses import dataclass, field
 import torch
 
 from ..model.backbone import Glm5NextModel
+from ..parallel.collectives import min_int
+from ..parallel.group import init_tensor_parallel, local_rank
 from ..tokenizer import Tokenizer
 from .batch_sampler import BatchSampler
 from .cache import ModelCache
 from .cache_plan import plan_cache
 from .detokenizer import IncrementalDetokenizer
+from .driver import DrivenRunner, follow
 from .runner import DEFAULT_CAPTURE_SIZES, Runner, check_capture_sizes
 from .sampler import SamplingParams
 from .scheduler import BlockManager, Request, Scheduler
@@ -75,7 +82,7 @@ class _Live:
 
 
 class LLMEngine:
-    """GLM-5.3-Flash on one device, stepping many requests together."""
+    """GLM-5.3-Flash on one device (or one rank of a tensor-parallel group), stepping many requests together."""
 
     def __init__(
         self,
@@ -96,22 +103,37 @@ class LLMEngine:
         decode_backend: str = "stock",
         policy: str | None = None,
         speculative_config=None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         from .speculative import SpeculativeConfig
 
         self.spec = SpeculativeConfig.parse(speculative_config)
+        if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) \
+                or tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r} must be a positive integer")
+        if self.spec and tensor_parallel_size > 1:
+            raise ValueError("speculative decoding with tensor_parallel_size > 1 is not implemented yet")
         if isinstance(model, Glm5NextModel):
             self.model = model
             self.dtype = model.embed_tokens.dtype
+            if tensor_parallel_size not in (1, model.tp.size):
+                raise ValueError(f"tensor_parallel_size={tensor_parallel_size}, but the model was built for "
+                                 f"{model.tp.size} ranks")
         else:
             if dtype not in DTYPES:
                 raise ValueError(f"dtype={dtype!r}: choose one of {sorted(DTYPES)}")
             device = device or ("cuda" if torch.cuda.is_available() else "cpu")
             if device.startswith("cuda") and not torch.cuda.is_available():
                 raise ValueError(f"device={device!r} but CUDA is not available")
+            tp = init_tensor_parallel(tensor_parallel_size, torch.device(device).type)
+            if tp.size > 1 and device == "cuda":
+                device = f"cuda:{local_rank()}"
             self.dtype = DTYPES[dtype]
-            self.model = Glm5NextModel.from_pretrained(model, self.dtype, device, progress=progress)
+            self.model = Glm5NextModel.from_pretrained(model, self.dtype, device, progress=progress and tp.is_driver,
+                                                       tp=tp)
             tokenizer = tokenizer or Tokenizer.from_dir(model)
+        self.tp = self.model.tp
+        """This process's tensor-parallel rank and group; rank 0 schedules, the others `follow()`."""
         self.device = self.model.embed_tokens.device
         self.config = self.model.config
         self.tokenizer = tokenizer
@@ -128,17 +150,21 @@ class LLMEngine:
             gpu_memory_utilization, self.capture_sizes[-1] if not enforce_eager else 0, include_mtp=bool(self.spec),
             verify_tokens=self.spec.num_speculative_tokens + 1 if self.spec else 0,
         )
+        if self.tp.size > 1:  # every rank sizes its own memory; all hold what the smallest can
+            self.plan = dataclasses.replace(self.plan, num_blocks=min_int(self.plan.num_blocks, self.tp))
         k = self.spec.num_speculative_tokens if self.spec else 0
         if self.spec and self.model.mtp is None:
             raise ValueError("speculative_config method 'mtp' needs a checkpoint with an MTP layer; this one has none")
         self.cache = ModelCache(self.config, self.plan.num_blocks, block_size, max_num_seqs, self.dtype, self.device,
-                                include_mtp=bool(self.spec), verify_tokens=k + 1 if k else 0)
+                                include_mtp=bool(self.spec), verify_tokens=k + 1 if k else 0, tp_size=self.tp.size)
         from ..specialized_decode import build_executor
 
         self.executor = build_executor(self.model, decode_backend, policy, self.capture_sizes, enforce_eager, k + 1)
         self.runner = Runner(self.model, self.cache, self.max_model_len, self.capture_sizes, self.executor, k + 1)
         if self.device.type == "cuda" and not enforce_eager:
             self.runner.capture()
+        if self.tp.size > 1 and self.tp.is_driver:
+            self.runner = DrivenRunner(self.runner, self.tp)
         self.scheduler = Scheduler(BlockManager(self.plan.num_blocks, max_num_seqs, block_size), max_num_seqs,
                                    max_num_batched_tokens)
         self.drafter = None
@@ -197,6 +223,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
         """Queue a request; raises ValueError (nothing queued) when the prompt or id is unusable."""
+        self._check_driver()
         params = params or SamplingParams()
         if request_id in self._live:
             raise ValueError(f"request id {request_id!r} is already live")
@@ -226,6 +253,21 @@ class LLMEngine:
         self.scheduler.abort(request_id)
         return self._output(live, "abort")
 
+    # ------------------------------------------------------ tensor parallelism
+    def follow(self):
+        """Ranks other than 0: run the steps rank 0 drives until it releases them; returns what
+        rank 0 passed to `release_followers`."""
+        return follow(self.runner, self.tp)
+
+    def release_followers(self, payload=None) -> None:
+        """Rank 0: end the other ranks' `follow()`, which return `payload`; nothing on one process."""
+        if self.tp.size > 1:
+            self.runner.stop(payload)
+
+    def _check_driver(self) -> None:
+        if not self.tp.is_driver:
+            raise RuntimeError(f"rank {self.tp.rank} of a tensor-parallel engine follows rank 0: call follow()")
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._live)
 
@@ -236,6 +278,7 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Run one model step; the outputs of the requests that gained a token (finished ones included)."""
+        self._check_driver()
         if not self._live:
             return []
         if self.spec:

@@ -30,11 +30,18 @@ def cmd_serve(args) -> int:
 
 async def _serve(args) -> int:
     from ..runtime.async_engine import AsyncLLM
+    from ..runtime.engine_core import LLMEngine
     from .api import start_server
 
     from ..cli import engine_kwargs
 
-    engine = AsyncLLM.from_args(model=args.model, seed=args.seed, **engine_kwargs(args))
+    core = LLMEngine(args.model, seed=args.seed, progress=False, **engine_kwargs(args))
+    if not core.tp.is_driver:  # tensor parallelism: rank 0 serves and drives this rank's forwards
+        for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 handles them, then releases this rank
+            signal.signal(sig, signal.SIG_IGN)
+        core.follow()
+        return 0
+    engine = AsyncLLM(core)
     name = args.served_model_name or args.model
     try:
         server = await start_server(engine, name, args.host, args.port)

@@ -6,6 +6,13 @@ modifies it. For a captured decode step of at most 64 tokens (a pure decode, or 
 of q tokens per request) `plan()` returns a `Step`, and `run()` walks every layer: the fused mHC
 boundary between sublayers, and for each sublayer the stage the policy picks at this token count
 or else the stock module. Every other step runs the stock forward.
+
+Under tensor parallelism the executor runs on every rank over that rank's shards. `plan()` reads
+only the step metadata, so every rank plans alike. Sublayer outputs are never left TP-partial
+(`partial()` is False): the stock modules all-reduce their own outputs, a stage that replaces a
+whole row-parallel module is followed by the same stock all-reduce here, the head stage's vocab
+shards are all-gathered, and the mHC boundary then runs on whole values. The fused
+all-reduce + boundary (`reduced_boundary`, symmetric memory) is left for GPUs.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import torch
 from ..model.backbone import Glm5NextModel
 from ..model.mhc import hc_contract, hc_expand, hc_post
 from ..model.routing import routed
+from ..parallel.collectives import all_gather, all_reduce
 from ..runtime.metadata import AttnMetadata, CUDAGraphMode, ForwardContext
 from .boundary import BoundaryStage
 from .dense_mlp import DenseMlpStage
@@ -93,7 +101,8 @@ class LayerStages:
                                if layer.mlp_is_moe and DenseMlpStage.supports(layer.mlp.shared_experts)}
 
     def partial(self, tokens: int) -> bool:
-        """Whether sublayers leave their output TP-partial for a fused all-reduce boundary (never on one GPU)."""
+        """Whether sublayers leave their output TP-partial for a fused all-reduce boundary: never yet
+        (one GPU, or the stock all-reduce of each sublayer under tensor parallelism)."""
         return False
 
     def routes(self, tokens: int) -> dict:
@@ -112,7 +121,9 @@ class LayerStages:
         """The FFN output and whether it is still TP-partial."""
         dense = self.dense.get(layer.layer_idx)
         if dense is not None and self.policy("dense_mlp", x.shape[0]):
-            return dense(x), self.partial(x.shape[0])
+            partial = self.partial(x.shape[0])
+            out = dense(x)  # this rank's share of the row-parallel down projection
+            return (out if partial else all_reduce(out, self.backbone.tp)), partial
         return layer.ffn(x, step.ctx), self.partial(x.shape[0])
 
     def boundary(self, hc, norm, out, streams, post, comb):
@@ -124,8 +135,9 @@ class LayerStages:
         return streams, post, comb, norm(x)
 
     def reduced_boundary(self, hc, norm, out, streams, post, comb):
-        """`boundary` of a TP-partial sublayer output (tensor parallelism is not built yet)."""
-        raise NotImplementedError("a TP-partial boundary needs tensor parallelism")
+        """`boundary` of a TP-partial sublayer output: the all-reduce fused into the boundary (GPU
+        symmetric memory; not built yet, and never planned while `partial()` is False)."""
+        raise NotImplementedError("the fused all-reduce boundary is not built yet")
 
 
 class DraftStages(LayerStages):
@@ -190,7 +202,7 @@ class SpecializedDecode(LayerStages):
         """fp32 logits [rows, vocab] of post-norm hidden states, through the head stage where planned."""
         choice = self.policy("logits_head", hidden.shape[0])
         if self.head is not None and choice is not None and hidden.is_contiguous():
-            return self.head(hidden, choice)
+            return all_gather(self.head(hidden, choice), self.backbone.tp, dim=-1)  # vocab shards made whole
         return self.backbone.compute_logits(hidden)
 
     def prepare_kv(self, cache) -> None:
