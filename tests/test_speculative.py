@@ -200,6 +200,57 @@ def test_rejection_rule_keeps_the_target_distribution():
     assert float(((bad - 2000 * p0) ** 2 / (2000 * p0)).sum()) > 25.0
 
 
+def _sampled_outputs(model, tiny_dir, spec, n=240, accept=None):
+    """The 3-token outputs of n seeded top-3 requests of one prompt, through the engine (graph mode)."""
+    engine = LLMEngine.from_model(model, Tokenizer.from_dir(tiny_dir), max_num_seqs=64, max_model_len=64,
+                                  speculative_config=spec)
+    engine.runner.graph_mode = True
+    if accept is not None:
+        import glm5next.runtime.spec_step as spec_step
+
+        saved, spec_step.accept_sampled = spec_step.accept_sampled, accept
+    try:
+        for i in range(n):
+            engine.add_request(f"r{i}", [5, 9, 17], SamplingParams(temperature=1.0, top_k=3, max_tokens=3,
+                                                                  ignore_eos=True, seed=1000 + i))
+        out = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    out[o.request_id] = tuple(o.outputs[0].token_ids)
+    finally:
+        if accept is not None:
+            spec_step.accept_sampled = saved
+    return list(out.values()), engine
+
+
+def _homogeneity_p(a: list, b: list) -> float:
+    """The chi-square test's p-value that samples a and b come from one distribution."""
+    cells = sorted(set(a) | set(b))
+    counts = torch.tensor([[a.count(c) for c in cells], [b.count(c) for c in cells]], dtype=torch.float64)
+    expected = counts.sum(1, keepdim=True) * counts.sum(0, keepdim=True) / counts.sum()
+    chi2 = ((counts - expected) ** 2 / expected).sum()
+    dof = torch.tensor(float(len(cells) - 1), dtype=torch.float64)
+    return float(torch.special.gammaincc(dof / 2, chi2 / 2))
+
+
+def test_sampled_outputs_with_speculation_are_distributed_as_without(tiny_fp32, tiny_dir):
+    """Whole 3-token continuations (up to 27 sequences under top-3) of seeded requests: with MTP
+    speculation (drafts eager after a prefill, from the post-verify graph path after a verify) the
+    same distribution as without; a rule that keeps every draft is told apart."""
+    plain, _ = _sampled_outputs(tiny_fp32, tiny_dir, None)
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    got, engine = _sampled_outputs(tiny_fp32, tiny_dir, spec)
+    assert engine.stats["verify_rows"] > 0 and 0 < engine.spec_metrics()["acceptance_rate"] < 1
+    assert _homogeneity_p(plain, got) > 1e-3, _homogeneity_p(plain, got)
+
+    def keep_drafts(target_logits, drafts, draft_probs, params, generator):  # counter-example
+        return list(drafts) + [accept_sampled(target_logits[len(drafts):], [], draft_probs, params, generator)[0]]
+
+    bad, _ = _sampled_outputs(tiny_fp32, tiny_dir, spec, accept=keep_drafts)
+    assert _homogeneity_p(plain, bad) < 1e-3, _homogeneity_p(plain, bad)
+
+
 @pytest.mark.parametrize(
     "value,match",
     [({"method": "eagle", "num_speculative_tokens": 2}, "only 'mtp'"), ({"method": "mtp", "num_speculative_tokens": 9},

@@ -270,10 +270,20 @@ def run_planned(model: Glm5NextModel, policy: dict | None):
 
 
 def _planned_ranks(rank: int, size: int, model_dir: str):
+    from glm5next.specialized_decode.decode import LayerStages
+
     tp = init_tensor_parallel(size, "cpu")
     model = Glm5NextModel.from_pretrained(model_dir, torch.float32, "cpu", progress=False, tp=tp)
+    reduced = []
+    original = LayerStages.reduced_boundary
+
+    def counting(self, *args):  # sublayer outputs left TP-partial, summed by the boundary
+        reduced.append(args[2].shape[0])
+        return original(self, *args)
+
+    LayerStages.reduced_boundary = counting
     logits, planned, log = run_planned(model, EXECUTOR_POLICY)
-    return logits, all_gather_object((planned, log), tp)
+    return logits, all_gather_object((planned, log, sorted(set(reduced)), len(reduced)), tp)
 
 
 def test_executor_plans_alike_on_every_rank_and_equals_stock(tp_dir, tp_single):
@@ -282,5 +292,7 @@ def test_executor_plans_alike_on_every_rank_and_equals_stock(tp_dir, tp_single):
     for rank, (logits, views) in enumerate(results):
         assert all(v == views[0] for v in views), views  # the same plans and skips on every rank
         assert views[0][0] == 3, views[0]
+        # 1 and 2 tokens (at or below the boundary table's largest count) leave every sublayer partial
+        assert views[0][2] == [1, 2] and views[0][3] == 2 * 2 * 4 - 2, views[0]
         for got, exp in zip(logits, want):
             assert rel_err(got, exp) <= 1e-4, rank

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import os
 import queue
 import socket
 import traceback
 
+import torch
 import torch.multiprocessing as mp
 
 TP_TEXT_OVERRIDES = {
@@ -37,7 +39,10 @@ def _entry(rank: int, size: int, port: int, fn, args: tuple, results) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size), LOCAL_WORLD_SIZE=str(size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
-        results.put((rank, "ok", fn(rank, size, *args)))
+        # By value: tensors sent as themselves are fetched from the sender, which may have exited by then.
+        buf = io.BytesIO()
+        torch.save(fn(rank, size, *args), buf)
+        results.put((rank, "ok", buf.getvalue()))
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -62,7 +67,7 @@ def run_ranks(size: int, fn, *args) -> list:
             rank, status, value = results.get(timeout=TIMEOUT_S)
             if status == "error":
                 raise AssertionError(f"rank {rank} of {size} failed:\n{value}")
-            out[rank] = value
+            out[rank] = torch.load(io.BytesIO(value), weights_only=False)
     except queue.Empty:
         raise AssertionError(f"ranks {sorted(set(range(size)) - set(out))} of {size} hung") from None
     finally:

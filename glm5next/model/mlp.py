@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..parallel.collectives import all_reduce
+from ..parallel.collectives import reduce_output
 from ..parallel.group import SINGLE, TensorParallel
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
 from .params import TensorSpec
@@ -41,7 +41,7 @@ class MLP(nn.Module):
             y = route(x)
         else:
             y = self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.swiglu_limit))
-        return all_reduce(y, self.tp) if self.reduce else y
+        return reduce_output(y, self.tp) if self.reduce else y
 
     def tensor_specs(self, prefix: str) -> dict[str, TensorSpec]:
         """The gate, up and down projection weights under `prefix`."""

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ROUTER_NORM_EPS, Glm5NextConfig
-from ..parallel.collectives import all_reduce
+from ..parallel.collectives import reduce_output
 from ..parallel.group import SINGLE, TensorParallel
 from .mlp import MLP, clamped_swiglu
 from .params import FP8_DTYPE, TensorSpec, dequantize_fp8, set_param
@@ -175,7 +175,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, graph_safe: bool = False) -> torch.Tensor:
         ids, weights = self.gate(x)
-        return all_reduce(self.experts(x, ids, weights, graph_safe) + self.shared_experts(x), self.tp)
+        return reduce_output(self.experts(x, ids, weights, graph_safe) + self.shared_experts(x), self.tp)
 
     def tensor_specs(self, prefix: str) -> dict[str, TensorSpec]:
         """Router, routed experts and shared expert tensors under `prefix` (e.g. `layers.3.mlp`)."""

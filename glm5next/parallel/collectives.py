@@ -3,10 +3,15 @@ a single process."""
 
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 
 from .group import TensorParallel
+
+_deferred = threading.local()
 
 
 def all_reduce(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
@@ -16,6 +21,23 @@ def all_reduce(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     x = x.contiguous()
     dist.all_reduce(x, group=tp.group)
     return x
+
+
+@contextmanager
+def partial_outputs():
+    """Inside: `reduce_output` leaves sublayer outputs as this rank's partial sums, for a caller that
+    reduces them itself (the executor's reduced boundary)."""
+    before = getattr(_deferred, "on", False)
+    _deferred.on = True
+    try:
+        yield
+    finally:
+        _deferred.on = before
+
+
+def reduce_output(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """A sublayer's output made whole (`all_reduce`), unless inside `partial_outputs()`."""
+    return x if getattr(_deferred, "on", False) else all_reduce(x, tp)
 
 
 def all_gather(x: torch.Tensor, tp: TensorParallel, dim: int = -1) -> torch.Tensor:

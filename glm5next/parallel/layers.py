@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..model.linear import Linear
-from .collectives import all_reduce
+from .collectives import all_reduce, reduce_output
 from .group import TensorParallel
 
 
@@ -39,7 +39,7 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x)
-        return all_reduce(y, self.tp) if self.reduce else y
+        return reduce_output(y, self.tp) if self.reduce else y
 
 
 def vocab_parallel_embedding(input_ids: torch.Tensor, weight: torch.Tensor, tp: TensorParallel) -> torch.Tensor:

@@ -8,11 +8,12 @@ boundary between sublayers, and for each sublayer the stage the policy picks at 
 or else the stock module. Every other step runs the stock forward.
 
 Under tensor parallelism the executor runs on every rank over that rank's shards. `plan()` reads
-only the step metadata, so every rank plans alike. Sublayer outputs are never left TP-partial
-(`partial()` is False): the stock modules all-reduce their own outputs, a stage that replaces a
-whole row-parallel module is followed by the same stock all-reduce here, the head stage's vocab
-shards are all-gathered, and the mHC boundary then runs on whole values. The fused
-all-reduce + boundary (`reduced_boundary`, symmetric memory) is left for GPUs.
+only the step metadata, so every rank plans alike. Where the policy's `boundary` table covers the
+token count (up to `boundary_max_tokens`), sublayers leave their outputs TP-partial (`partial()`):
+the stock modules run inside `partial_outputs()`, so their row-parallel output stays this rank's
+share, and `reduced_boundary` all-reduces it and applies the boundary — one collective per
+sublayer, where the fused symmetric-memory kernel will do both in one launch on GPUs. Elsewhere
+the stock modules all-reduce their own outputs. The head stage's vocab shards are all-gathered.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from ..model.backbone import Glm5NextModel
 from ..model.mhc import hc_contract, hc_expand, hc_post
 from ..model.routing import routed
-from ..parallel.collectives import all_gather, all_reduce
+from ..parallel.collectives import all_gather, all_reduce, partial_outputs
 from ..runtime.metadata import AttnMetadata, CUDAGraphMode, ForwardContext
 from .boundary import BoundaryStage
 from .dense_mlp import DenseMlpStage
@@ -100,10 +101,16 @@ class LayerStages:
                 self.shared = {layer.layer_idx: DenseMlpStage(layer.mlp.shared_experts) for layer in layers
                                if layer.mlp_is_moe and DenseMlpStage.supports(layer.mlp.shared_experts)}
 
+    @property
+    def boundary_max_tokens(self) -> int:
+        """The largest token count the policy's boundary table lists (0: none)."""
+        return max(self.policy.tables.get("boundary", {}), default=0)
+
     def partial(self, tokens: int) -> bool:
-        """Whether sublayers leave their output TP-partial for a fused all-reduce boundary: never yet
-        (one GPU, or the stock all-reduce of each sublayer under tensor parallelism)."""
-        return False
+        """Whether sublayers leave their output TP-partial for `reduced_boundary` at this token count:
+        under tensor parallelism, where the policy runs the boundary stage."""
+        return (self.backbone.tp.size > 1 and tokens <= self.boundary_max_tokens
+                and self.policy("boundary", tokens) is not None)
 
     def routes(self, tokens: int) -> dict:
         """The stock-module calls this step sends to stages: projections and shared experts."""
@@ -115,7 +122,10 @@ class LayerStages:
 
     def attention(self, layer, x: torch.Tensor, step: Step) -> tuple[torch.Tensor, bool]:
         """The attention output and whether it is still TP-partial (stock module; projections routed)."""
-        return layer.attention(x, step.ctx, step.cache), self.partial(x.shape[0])
+        if self.partial(x.shape[0]):
+            with partial_outputs():
+                return layer.attention(x, step.ctx, step.cache), True
+        return layer.attention(x, step.ctx, step.cache), False
 
     def mlp(self, layer, x: torch.Tensor, step: Step) -> tuple[torch.Tensor, bool]:
         """The FFN output and whether it is still TP-partial."""
@@ -124,7 +134,10 @@ class LayerStages:
             partial = self.partial(x.shape[0])
             out = dense(x)  # this rank's share of the row-parallel down projection
             return (out if partial else all_reduce(out, self.backbone.tp)), partial
-        return layer.ffn(x, step.ctx), self.partial(x.shape[0])
+        if self.partial(x.shape[0]):
+            with partial_outputs():
+                return layer.ffn(x, step.ctx), True
+        return layer.ffn(x, step.ctx), False
 
     def boundary(self, hc, norm, out, streams, post, comb):
         """The previous sublayer's mHC post, then the next sublayer's pre and its norm."""
@@ -135,9 +148,9 @@ class LayerStages:
         return streams, post, comb, norm(x)
 
     def reduced_boundary(self, hc, norm, out, streams, post, comb):
-        """`boundary` of a TP-partial sublayer output: the all-reduce fused into the boundary (GPU
-        symmetric memory; not built yet, and never planned while `partial()` is False)."""
-        raise NotImplementedError("the fused all-reduce boundary is not built yet")
+        """`boundary` of a TP-partial sublayer output: the sum over the ranks, then the boundary. (On
+        GPUs the fused kernel is to read the ranks' shares over symmetric memory in the same launch.)"""
+        return self.boundary(hc, norm, all_reduce(out, self.backbone.tp), streams, post, comb)
 
 
 class DraftStages(LayerStages):
@@ -264,6 +277,8 @@ class SpecializedDecode(LayerStages):
         streams, post, comb, x = bound(layer.ffn_hc, layer.post_attention_layernorm, x, streams, post, comb)
         x, partial = self.mlp(layer, x, step)
         if layer is self.layers[-1]:
+            if partial:  # the last layer reduces before contracting
+                x = all_reduce(x, self.backbone.tp)
             if self.boundary_stage is not None and self.policy("boundary", x.shape[0]):
                 return self.boundary_stage.last(x, streams, post, comb, self.backbone.norm), False, None, None, None
             return self.backbone.norm(hc_contract(hc_post(x, streams, post, comb))), False, None, None, None
