@@ -14,6 +14,8 @@ import json
 import statistics
 
 import torch
+import triton
+import triton.language as tl
 
 from ..checkpoint.fp8 import quantize_fp8_blocks
 from ..config import MHC_POST_MULT
@@ -30,6 +32,8 @@ VARIANTS = {
     "split-2x": dict(split_factor=2),
     "bk256-split-2x": dict(block_k=256, split_factor=2),
     "gemv": dict(mode="gemv"),
+    "fp16": dict(half=True),
+    "fp16-bk256": dict(half=True, block_k=256),
 }
 SHAPES = {
     # name: (list of [N, K] FP8 weights in one call, gated)
@@ -92,6 +96,55 @@ def sweep_linear(device, m_values, bandwidth: float, replays: int) -> list[dict]
     return rows
 
 
+@triton.jit
+def _read_probe(w_ptr, out_ptr, K, ITERS, SPLIT, BN: tl.constexpr, BK: tl.constexpr, WIDEN: tl.constexpr):
+    """Streams [BN, BK] tiles of an FP8 [N, K] weight over this program's K range and sums them: as
+    raw bytes (WIDEN False: the load path alone) or widened to bf16 then fp32 (the conversion too)."""
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    rows = pid_n * BN + tl.arange(0, BN)
+    ptrs = w_ptr + rows[:, None] * K + tl.arange(0, BK)[None, :]
+    if WIDEN:
+        acc = tl.zeros([BN, BK], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BN, BK], dtype=tl.int32)
+    for i in range(ITERS):
+        t = tl.load(ptrs + (pid_k * ITERS + i) * BK)
+        if WIDEN:
+            acc += t.to(tl.bfloat16).to(tl.float32)
+        else:
+            acc += t.to(tl.int32)
+    tl.store(out_ptr + pid_n * SPLIT + pid_k, tl.sum(tl.sum(acc, axis=1), axis=0).to(tl.float32))
+
+
+def probe_reads(device, bandwidth: float, replays: int) -> list[dict]:
+    """The read ceiling of FP8 tiles in a Triton loop, without (bytes) and with the bf16 widening."""
+    rows = []
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    for n, k in ((12288, 4096), (4096, 12288), (2048, 4096)):
+        copies = max(1, -(-ROTATE_BYTES // (n * k)))
+        ws = [torch.randint(-100, 100, (n, k), device=device, dtype=torch.int8).view(torch.float8_e4m3fn)
+              for _ in range(copies)]
+        for bn, bk in ((64, 128), (32, 256), (16, 512)):
+            k_iters = k // bk
+            split = max(1, min(k_iters, -(-2 * sms // (n // bn))))
+            while k_iters % split:
+                split -= 1
+            out = torch.empty(n // bn * split, device=device)
+            for widen in (False, True):
+                def run(bn=bn, bk=bk, widen=widen, split=split):
+                    for w in ws:
+                        src = w if widen else w.view(torch.uint8)
+                        _read_probe[(n // bn, split)](src, out, k, k_iters // split, split, BN=bn, BK=bk,
+                                                      WIDEN=widen, num_warps=4, num_stages=4)
+                us = _time(run, len(ws), replays)
+                frac = n * k / (us * 1e-6) / bandwidth
+                rows.append(dict(case=f"probe_{n}x{k}", m=0, variant=f"bn{bn}-bk{bk}-{'widen' if widen else 'bytes'}",
+                                 us=us, bytes=n * k, bw_fraction=frac))
+                print(f"probe {n}x{k} bn={bn} bk={bk} {'widen' if widen else 'bytes'}: {us:7.1f} us "
+                      f"{100 * frac:5.1f} %", flush=True)
+    return rows
+
+
 def sweep_boundary(device, t_values, replays: int) -> list[dict]:
     D, n = 4096, 4
     w = (2 + n) * n
@@ -134,12 +187,15 @@ def main(argv=None) -> None:
     p.add_argument("--replays", type=int, default=10)
     p.add_argument("--skip-linear", action="store_true")
     p.add_argument("--skip-boundary", action="store_true")
+    p.add_argument("--skip-probe", action="store_true")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     device = torch.device("cuda")
     bw = measure_read_bandwidth(device)
     print(f"read bandwidth {bw['bytes_per_s'] / 1e12:.2f} TB/s", flush=True)
     rows = []
+    if not a.skip_probe:
+        rows += probe_reads(device, bw["bytes_per_s"], a.replays)
     if not a.skip_boundary:
         rows += sweep_boundary(device, [int(t) for t in a.t.split(",")], a.replays)
     if not a.skip_linear:

@@ -44,10 +44,11 @@ CANDIDATES: dict[str, dict] = {
     "block-n-128": dict(block_n=128),
     "gemv": dict(mode="gemv"),
     "block-k-256": dict(block_k=256),
+    "fp16-products": dict(half=True),
 }
 """Launch variants worth timing per call site (keyword overrides of every entry point). `split_factor`
 scales the heuristic's split (rounded, at least 1); "gemv" (no tensor cores) applies to calls of at most 8 rows only;
-`block_k` 256 streams two FP8 scale blocks per step."""
+`block_k` 256 streams two FP8 scale blocks per step; "fp16-products" multiplies FP8 weights in fp16 (see `LaunchPlan.half`)."""
 _SMS: dict[int | None, int] = {}
 _FLOAT = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -63,7 +64,8 @@ def _sm_count(device: torch.device) -> int:
 def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: str = "cuda", sms: int = 132,
                 gated: bool = False, split_k: int | None = None, block_n: int | None = None,
                 mode: str | None = None, split_factor: float = 1, x_bytes: int = 2,
-                widest_bytes: int | None = None, block_k: int | None = None) -> LaunchPlan:
+                widest_bytes: int | None = None, block_k: int | None = None,
+                half: bool = False) -> LaunchPlan:
     """Launch parameters for M rows against weights with output widths `ns` and depth K
     (`weight_bytes`: the smallest weight element size; `widest_bytes`: the largest, default the same).
 
@@ -111,7 +113,7 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
     buffers = 100_000 // per_stage
     stages = max(2, min(5, buffers if bm >= 64 else buffers + 1))
     return LaunchPlan(bm, bn, bk, split, use_dot, num_warps=8 if (bm >= 64 and gated) else 4, num_stages=stages,
-                      f32_sub_k=(32 if bm <= 16 else 16) if gpu else bk)
+                      f32_sub_k=(32 if bm <= 16 else 16) if gpu else bk, half=bool(half) and use_dot)
 
 
 def _check_x(x: torch.Tensor) -> None:
@@ -154,7 +156,8 @@ def _outputs(x: torch.Tensor, ns: list[int], outs) -> list[torch.Tensor]:
     return outs
 
 
-def _run(x, projections, outs, split_k, block_n, mode, split_factor=1, up=None, limit=0.0, block_k=None):
+def _run(x, projections, outs, split_k, block_n, mode, split_factor=1, up=None, limit=0.0, block_k=None,
+         half=False):
     _check_x(x)
     projections = list(projections)
     if not 1 <= len(projections) <= MAX_PROJECTIONS:
@@ -167,7 +170,7 @@ def _run(x, projections, outs, split_k, block_n, mode, split_factor=1, up=None, 
         return outs
     sizes = [w.element_size() for w, _ in projections]
     plan = plan_launch(x.shape[0], ns, x.shape[1], min(sizes), x.device.type, _sm_count(x.device), up is not None,
-                       split_k, block_n, mode, split_factor, x.element_size(), max(sizes), block_k)
+                       split_k, block_n, mode, split_factor, x.element_size(), max(sizes), block_k, half)
     launch(x, [w for w, _ in projections], [s for _, s in projections], outs, plan, up, limit)
     return outs
 
@@ -175,25 +178,26 @@ def _run(x, projections, outs, split_k, block_n, mode, split_factor=1, up=None, 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None = None,
                   out: torch.Tensor | None = None, split_k: int | None = None, block_n: int | None = None, *,
                   mode: str | None = None, split_factor: float = 1,
-                  block_k: int | None = None) -> torch.Tensor:
+                  block_k: int | None = None, half: bool = False) -> torch.Tensor:
     """`x @ dequant(weight).T` in fp32 accumulation, in x's dtype (or written into `out`)."""
     return _run(x, [(weight, scale_inv)], None if out is None else [out], split_k, block_n, mode, split_factor,
-                block_k=block_k)[0]
+                block_k=block_k, half=half)[0]
 
 
 def skinny_linear_multi(x: torch.Tensor, projections, outs=None, *, split_k: int | None = None,
                         block_n: int | None = None, mode: str | None = None,
-                        split_factor: float = 1, block_k: int | None = None) -> list[torch.Tensor]:
+                        split_factor: float = 1, block_k: int | None = None,
+                        half: bool = False) -> list[torch.Tensor]:
     """`[x @ dequant(w).T for w, scale_inv in projections]` (at most 6, equal K) in one launch."""
-    return _run(x, projections, outs, split_k, block_n, mode, split_factor, block_k=block_k)
+    return _run(x, projections, outs, split_k, block_n, mode, split_factor, block_k=block_k, half=half)
 
 
 def gate_up_swiglu(x: torch.Tensor, gate_w: torch.Tensor, gate_s: torch.Tensor | None, up_w: torch.Tensor,
                    up_s: torch.Tensor | None, limit: float, out: torch.Tensor | None = None, *,
                    split_k: int | None = None, block_n: int | None = None, mode: str | None = None,
-                   split_factor: float = 1, block_k: int | None = None) -> torch.Tensor:
+                   split_factor: float = 1, block_k: int | None = None, half: bool = False) -> torch.Tensor:
     """`silu(min(g, limit)) * clamp(u, -limit, limit)`, g = x @ gate.T, u = x @ up.T, in x's dtype."""
     if up_w.shape != gate_w.shape or up_w.dtype != gate_w.dtype:
         raise ValueError("gate and up weights must share shape and dtype")
     return _run(x, [(gate_w, gate_s)], None if out is None else [out], split_k, block_n, mode, split_factor,
-                up=(up_w, up_s), limit=limit, block_k=block_k)[0]
+                up=(up_w, up_s), limit=limit, block_k=block_k, half=half)[0]

@@ -48,6 +48,9 @@ class LaunchPlan:
     num_stages: int = 4
     f32_sub_k: int = 32
     """K chunk of one fp32 (tf32x3) product inside a BLOCK_K step, bounding its registers."""
+    half: bool = False
+    """FP8 weights meet bf16 activations in fp16 (e4m3 widens to fp16 in one instruction per pair;
+    bf16 activations convert exactly while |x| < 65504): a launch variant for the policy to measure."""
 
 
 @triton.jit
@@ -71,11 +74,13 @@ def _mma(xt, wt, F32: tl.constexpr, USE_DOT: tl.constexpr):
 
 @triton.jit
 def _chunk(x_ptrs, w_ptr, w2_ptr, w_offs, kk, row_ok, col_ok, K, k0, s_ptr, s2_ptr, s_row, F32: tl.constexpr,
-           TWO: tl.constexpr, USE_DOT: tl.constexpr, IS_FP8: tl.constexpr):
+           TWO: tl.constexpr, USE_DOT: tl.constexpr, IS_FP8: tl.constexpr, HALF: tl.constexpr):
     """The products of the K chunk starting at k0 with W (and W2 when TWO; else W again, unused),
     each times its 128x128 block scale when IS_FP8 (a chunk never spans two scale blocks)."""
     k_ok = (k0 + kk) < K
     xt = tl.load(x_ptrs + k0, mask=row_ok & k_ok[None, :], other=0.0)
+    if HALF and IS_FP8 and not F32:
+        xt = xt.to(tl.float16)  # the weights then widen to fp16 in _mma
     w_ok = k_ok[:, None] & col_ok
     part = _mma(xt, tl.load(w_ptr + w_offs + k0, mask=w_ok, other=0.0), F32, USE_DOT)
     if IS_FP8:
@@ -91,7 +96,8 @@ def _chunk(x_ptrs, w_ptr, w2_ptr, w_offs, kk, row_ok, col_ok, K, k0, s_ptr, s2_p
 @triton.jit
 def _accumulate(x_ptr, stride_xm, M, K, w_ptr, s_ptr, w2_ptr, s2_ptr, s_stride, n0, N, it0, n_it,
                 IS_FP8: tl.constexpr, F32: tl.constexpr, TWO: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, F32_SUB: tl.constexpr):
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, F32_SUB: tl.constexpr,
+                HALF: tl.constexpr):
     """x[:, K range] @ W[n0:n0+BLOCK_N, K range].T (and the same with W2 when TWO), in fp32."""
     # fp32 products (tf32x3) hold 3 operand copies in registers: feed them F32_SUB K at a time;
     # an FP8 chunk stays within one 128-wide scale block.
@@ -111,7 +117,7 @@ def _accumulate(x_ptr, stride_xm, M, K, w_ptr, s_ptr, w2_ptr, s2_ptr, s_stride, 
         k0 = (it0 + i) * BLOCK_K
         for c in tl.static_range(0, BLOCK_K, SUB):
             part, part2 = _chunk(x_ptrs, w_ptr, w2_ptr, w_offs, kk, row_ok, col_ok, K, k0 + c, s_ptr, s2_ptr, s_row,
-                                 F32, TWO, USE_DOT, IS_FP8)
+                                 F32, TWO, USE_DOT, IS_FP8, HALF)
             acc += part
             if TWO:
                 acc2 += part2
@@ -138,13 +144,13 @@ def _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, local, pid_k, 
              num_tiles, limit, s_stride, w_ptr, s_ptr, w2_ptr, s2_ptr, o_ptr, stride_om, N,
              IS_FP8: tl.constexpr, F32: tl.constexpr, TWO: tl.constexpr, SPLIT: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
-             F32_SUB: tl.constexpr):
+             F32_SUB: tl.constexpr, HALF: tl.constexpr):
     """One program's share of one projection: tile `local` of it, K split `pid_k`."""
     n0 = local * BLOCK_N
     it0 = pid_k * ITERS
     n_it = tl.minimum(ITERS, K_ITERS - it0)
     acc, acc2 = _accumulate(x_ptr, stride_xm, M, K, w_ptr, s_ptr, w2_ptr, s2_ptr, s_stride, n0, N, it0,
-                            n_it, IS_FP8, F32, TWO, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB)
+                            n_it, IS_FP8, F32, TWO, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, HALF)
     if SPLIT:
         TILE: tl.constexpr = BLOCK_M * BLOCK_N
         PARTS: tl.constexpr = 2 if TWO else 1
@@ -182,7 +188,7 @@ def skinny_kernel(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, ws_ptr, cnt_ptr
                   w5, s5, o5, so5, N5,
                   NUM: tl.constexpr, FP8_MASK: tl.constexpr, F32_MASK: tl.constexpr, TWO: tl.constexpr,
                   SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  USE_DOT: tl.constexpr, F32_SUB: tl.constexpr):
+                  USE_DOT: tl.constexpr, F32_SUB: tl.constexpr, HALF: tl.constexpr):
     """Grid (num_tiles, split). Projection p owns tiles [T_p, T_{p+1}) (T_0 = 0, T_NUM = num_tiles);
     bit p of FP8_MASK / F32_MASK says whether its weight is FP8 / whether it multiplies in fp32.
     With TWO (one projection only) projection 0 is the gate and up_w/up_s the up weight."""
@@ -191,32 +197,32 @@ def skinny_kernel(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, ws_ptr, cnt_ptr
     if tile < T1:
         _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile, pid_k, ws_ptr, cnt_ptr, num_tiles,
                  limit, s_stride, w0, s0, up_w, up_s, o0, so0, N0, FP8_MASK & 1, F32_MASK & 1, TWO, SPLIT,
-                 BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB)
+                 BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, HALF)
     if NUM > 1:
         if (tile >= T1) & (tile < T2):
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T1, pid_k, ws_ptr, cnt_ptr,
                      num_tiles, limit, s_stride, w1, s1, w1, s1, o1, so1, N1, (FP8_MASK >> 1) & 1,
-                     (F32_MASK >> 1) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB)
+                     (F32_MASK >> 1) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, HALF)
     if NUM > 2:
         if (tile >= T2) & (tile < T3):
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T2, pid_k, ws_ptr, cnt_ptr,
                      num_tiles, limit, s_stride, w2, s2, w2, s2, o2, so2, N2, (FP8_MASK >> 2) & 1,
-                     (F32_MASK >> 2) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB)
+                     (F32_MASK >> 2) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, HALF)
     if NUM > 3:
         if (tile >= T3) & (tile < T4):
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T3, pid_k, ws_ptr, cnt_ptr,
                      num_tiles, limit, s_stride, w3, s3, w3, s3, o3, so3, N3, (FP8_MASK >> 3) & 1,
-                     (F32_MASK >> 3) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB)
+                     (F32_MASK >> 3) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, HALF)
     if NUM > 4:
         if (tile >= T4) & (tile < T5):
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T4, pid_k, ws_ptr, cnt_ptr,
                      num_tiles, limit, s_stride, w4, s4, w4, s4, o4, so4, N4, (FP8_MASK >> 4) & 1,
-                     (F32_MASK >> 4) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB)
+                     (F32_MASK >> 4) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, HALF)
     if NUM > 5:
         if tile >= T5:
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T5, pid_k, ws_ptr, cnt_ptr,
                      num_tiles, limit, s_stride, w5, s5, w5, s5, o5, so5, N5, (FP8_MASK >> 5) & 1,
-                     (F32_MASK >> 5) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB)
+                     (F32_MASK >> 5) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, HALF)
 
 
 def tile_counters(device: torch.device) -> torch.Tensor:
@@ -276,5 +282,5 @@ def launch(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tens
     skinny_kernel[(total, split)](
         x, x.stride(0), M, K, k_iters, iters, split, ws, cnt, total, float(limit), s_stride, up_w, up_s, *per_proj,
         NUM=len(weights), FP8_MASK=fp8_mask, F32_MASK=f32_mask, TWO=up is not None, SPLIT=split > 1,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_DOT=plan.use_dot, F32_SUB=min(plan.f32_sub_k, bk),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_DOT=plan.use_dot, F32_SUB=min(plan.f32_sub_k, bk), HALF=plan.half,
         num_warps=plan.num_warps, num_stages=plan.num_stages)
