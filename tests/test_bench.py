@@ -23,6 +23,15 @@ from glm5next.runtime.runner import Runner
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def assert_plots(result_json, png) -> None:
+    """bench/plot.py turns the result file into a PNG."""
+    pytest.importorskip("matplotlib")
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "plot.py"), str(result_json), "-o", str(png)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 @pytest.fixture(scope="module")
 def small():
     return slice_config(small=True)
@@ -199,12 +208,7 @@ def test_cli_small_end_to_end(tmp_path):
     else:
         assert any("end-to-end skipped" in n for n in result["notes"])
 
-    pytest.importorskip("matplotlib")
-    png = tmp_path / "result.png"
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "plot.py"), str(out), "-o", str(png)],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert_plots(out, tmp_path / "result.png")
 
 
 def test_step_bytes_verify_hand_count(small):
@@ -304,9 +308,4 @@ def test_cli_speculative_small(tmp_path):
     assert "policy" in result["verify"][0]["specialized_declined"] and "specialized_ms" not in result["verify"][0]
     assert result["throughput"][0]["stock_tokens_per_s"] > 0 and "specialized_tokens_per_s" not in result["throughput"][0]
 
-    pytest.importorskip("matplotlib")
-    png = tmp_path / "spec.png"
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "plot.py"), str(out), "-o", str(png)],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert_plots(out, tmp_path / "spec.png")
