@@ -12,7 +12,8 @@ from glm5next.runtime.cache import ModelCache
 from glm5next.runtime.engine_core import LLMEngine
 from glm5next.runtime.metadata import build_metadata
 from glm5next.runtime.sampler import SamplingParams
-from glm5next.runtime.speculative import SpeculativeConfig, accept_sampled
+from glm5next.runtime.batch_sampler import SamplingTensors
+from glm5next.runtime.speculative import SpeculativeConfig, accept_rows
 from glm5next.tokenizer import Tokenizer
 
 
@@ -175,29 +176,38 @@ def test_kda_verify_reads_only_and_commit_advances_over_accepted_tokens(tiny_fp3
 
 
 def test_rejection_rule_keeps_the_target_distribution():
+    """accept_rows over many rows of one verify (each its own seed): the first emitted token follows
+    the target's p_0, and the second, where the first draft was kept, p_1; greedy rows take the argmax
+    rule; always keeping the drafts would give the draft's distribution instead."""
     g = torch.Generator().manual_seed(0)
     vocab, k, trials = 6, 2, 12000
     target = torch.randn(k + 1, vocab, generator=g) * 1.5
     draft_probs = torch.softmax(torch.randn(k, vocab, generator=g) * 1.5, -1)
-    params = SamplingParams(temperature=1.0)
-    first = torch.zeros(vocab)
-    second = torch.zeros(vocab)
-    for _ in range(trials):
-        drafts = [int(torch.multinomial(draft_probs[j], 1, generator=g)) for j in range(k)]
-        out = accept_sampled(target, drafts, draft_probs, params, g)
-        first[out[0]] += 1
-        if len(out) > 1 and drafts[0] == out[0]:
-            second[out[1]] += 1
+    drafts = torch.stack([torch.multinomial(draft_probs[j], trials, replacement=True, generator=g) for j in range(k)], 1)
+    params = [SamplingParams(temperature=1.0, seed=s) for s in range(trials)]
+    tensors = SamplingTensors.from_params(params, "cpu", vocab)
+    tokens, counts = accept_rows(target.expand(trials, -1, -1).contiguous(), drafts,
+                                 draft_probs.expand(trials, -1, -1).contiguous(), tensors,
+                                 torch.zeros(trials, dtype=torch.int64))
+    assert bool(((counts >= 1) & (counts <= k + 1)).all())
+    kept = counts > 1
+    assert torch.equal(tokens[kept, 0], drafts[kept, 0])  # an accepted draft is emitted as drafted
+    first = torch.bincount(tokens[:, 0], minlength=vocab).float()
+    second = torch.bincount(tokens[kept & (drafts[:, 0] == tokens[:, 0]), 1], minlength=vocab).float()
     p0 = torch.softmax(target[0], -1)
     p1 = torch.softmax(target[1], -1)
-    for counts, p in ((first, p0), (second, p1)):
-        n = counts.sum()
-        chi2 = float(((counts - n * p) ** 2 / (n * p)).sum())
-        assert chi2 < 25.0, (chi2, counts / n, p)  # 5 degrees of freedom: p < 1e-4 under the null
-    bad = torch.zeros(vocab)
-    for _ in range(2000):  # counter-example: always accepting the drafts gives the draft's distribution
-        bad[int(torch.multinomial(draft_probs[0], 1, generator=g))] += 1
+    for observed, p in ((first, p0), (second, p1)):
+        n = observed.sum()
+        chi2 = float(((observed - n * p) ** 2 / (n * p)).sum())
+        assert chi2 < 25.0, (chi2, observed / n, p)  # 5 degrees of freedom: p < 1e-4 under the null
+    bad = torch.bincount(drafts[:2000, 0], minlength=vocab).float()  # counter-example: keep every draft
     assert float(((bad - 2000 * p0) ** 2 / (2000 * p0)).sum()) > 25.0
+    greedy = SamplingTensors.from_params([SamplingParams(temperature=0.0)] * 3, "cpu", vocab)
+    choice = target.argmax(-1)
+    rows = torch.stack([choice[:k], torch.tensor([choice[0], (choice[1] + 1) % vocab]),
+                        torch.tensor([(choice[0] + 1) % vocab, choice[1]])])
+    tokens, counts = accept_rows(target.expand(3, -1, -1).contiguous(), rows, None, greedy, torch.zeros(3, dtype=torch.int64))
+    assert counts.tolist() == [3, 2, 1] and all(torch.equal(t, choice) for t in tokens)
 
 
 def _sampled_outputs(model, tiny_dir, spec, n=240, accept=None):
@@ -208,7 +218,7 @@ def _sampled_outputs(model, tiny_dir, spec, n=240, accept=None):
     if accept is not None:
         import glm5next.runtime.spec_step as spec_step
 
-        saved, spec_step.accept_sampled = spec_step.accept_sampled, accept
+        saved, spec_step.accept_rows = spec_step.accept_rows, accept
     try:
         for i in range(n):
             engine.add_request(f"r{i}", [5, 9, 17], SamplingParams(temperature=1.0, top_k=3, max_tokens=3,
@@ -220,7 +230,7 @@ def _sampled_outputs(model, tiny_dir, spec, n=240, accept=None):
                     out[o.request_id] = tuple(o.outputs[0].token_ids)
     finally:
         if accept is not None:
-            spec_step.accept_sampled = saved
+            spec_step.accept_rows = saved
     return list(out.values()), engine
 
 
@@ -244,8 +254,10 @@ def test_sampled_outputs_with_speculation_are_distributed_as_without(tiny_fp32, 
     assert engine.stats["verify_rows"] > 0 and 0 < engine.spec_metrics()["acceptance_rate"] < 1
     assert _homogeneity_p(plain, got) > 1e-3, _homogeneity_p(plain, got)
 
-    def keep_drafts(target_logits, drafts, draft_probs, params, generator):  # counter-example
-        return list(drafts) + [accept_sampled(target_logits[len(drafts):], [], draft_probs, params, generator)[0]]
+    def keep_drafts(logits, drafts, draft_probs, tensors, generated):  # counter-example: every draft kept
+        tokens, _ = accept_rows(logits, drafts, draft_probs, tensors, generated)
+        tokens[:, : drafts.shape[1]] = drafts
+        return tokens, torch.full_like(generated, logits.shape[1])
 
     bad, _ = _sampled_outputs(tiny_fp32, tiny_dir, spec, accept=keep_drafts)
     assert _homogeneity_p(plain, bad) < 1e-3, _homogeneity_p(plain, bad)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .draft_graph import DraftRequest
-from .speculative import DraftRow, accept_greedy, accept_sampled
+from .speculative import DraftRow, accept_rows
 
 
 def spec_step(engine) -> list:
@@ -45,14 +45,11 @@ def spec_step(engine) -> list:
     rows: list[DraftRow] = []
     slots, counts, requests = [], [], []
     with torch.inference_mode():
+        accepted = _accept(engine, out.decodes, all_logits, hidden, q)
         for i, r in enumerate(out.decodes):
             live = live_of[r.request_id]
-            a, b = starts[i], starts[i + 1]
-            logits = all_logits[a:b] if all_logits is not None else engine.model.compute_logits(hidden[a:b])
-            if live.params.greedy:
-                toks = accept_greedy(logits, live.drafts)
-            else:
-                toks = accept_sampled(logits, live.drafts, live.draft_probs, live.params, live.generator)
+            a = starts[i]
+            toks = accepted[i]
             st = engine.stats
             st["verify_rows"] += 1
             st["drafted"] += k
@@ -123,3 +120,23 @@ def spec_step(engine) -> list:
         if res is not None:
             live_of[row.request_id].drafts, live_of[row.request_id].draft_probs = res
     return results
+
+
+def _accept(engine, decodes, all_logits, hidden, q: int) -> list[list[int]]:
+    """Every verify row's emitted tokens, decided on the device in one batch (decode rows come first in
+    the step, q tokens each)."""
+    if not decodes:
+        return []
+    n, dev = len(decodes), hidden.device
+    logits = all_logits[: n * q] if all_logits is not None else engine.model.compute_logits(hidden[: n * q])
+    lives = [engine._live[r.request_id] for r in decodes]
+    params = [live.params for live in lives]
+    probs = None
+    if not all(p.greedy for p in params):
+        vocab = logits.shape[-1]
+        blank = torch.zeros(q - 1, vocab, device=dev)
+        probs = torch.stack([live.draft_probs if live.draft_probs is not None else blank for live in lives])
+    tokens, counts = accept_rows(
+        logits.view(n, q, -1), torch.tensor([live.drafts for live in lives], device=dev), probs,
+        engine.sampler.plan(params, dev), torch.tensor([len(r.output_token_ids) for r in decodes], device=dev))
+    return [t[:c] for t, c in zip(tokens.tolist(), counts.tolist())]

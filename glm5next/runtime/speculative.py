@@ -21,10 +21,15 @@ from dataclasses import dataclass
 
 import torch
 
+from .batch_sampler import BatchSampler, SamplingTensors, row_keys, uniforms
 from .metadata import ForwardContext, build_metadata
 from .sampler import SamplingParams, filtered_probs
 
 MAX_SPECULATIVE_TOKENS = 5
+ACCEPT_COUNTER_BASE = 2 << 40
+"""The acceptance uniforms of a verify row hash (seed, ACCEPT_COUNTER_BASE + 8 * tokens generated)."""
+RESIDUAL_COUNTER_BASE = 3 << 40
+"""Its corrected or bonus token's draw hashes (seed, RESIDUAL_COUNTER_BASE + 8 * tokens generated)."""
 
 
 @dataclass(frozen=True)
@@ -144,31 +149,47 @@ class MtpDrafter:
         return results
 
 
-def accept_greedy(target_logits: torch.Tensor, drafts: list[int]) -> list[int]:
-    """The longest prefix of `drafts` equal to the target's argmax choices, then the target's next token."""
-    choice = target_logits.argmax(-1).tolist()
-    n = 0
-    while n < len(drafts) and drafts[n] == choice[n]:
-        n += 1
-    return drafts[:n] + [choice[n]]
+def accept_rows(logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor | None,
+                tensors: SamplingTensors, generated: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Acceptance of R verify rows on the device, with one host sync for the caller to read the result.
 
-
-def accept_sampled(target_logits: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor, params: SamplingParams,
-                   generator: torch.Generator) -> list[int]:
-    """The rejection rule: accepted drafts, then a corrected or bonus token drawn from the target."""
-    out = []
-    for j, d in enumerate(drafts):
-        p = filtered_probs(target_logits[j], params).cpu()
-        q = draft_probs[j].cpu()
-        u = float(torch.rand((), generator=generator))
-        if q[d] > 0 and u * float(q[d]) < float(p[d]):
-            out.append(d)
-            continue
-        residual = (p - q).clamp(min=0)
-        if float(residual.sum()) <= 0:
-            residual = p
-        out.append(int(torch.multinomial(residual / residual.sum(), 1, generator=generator)))
-        return out
-    p = filtered_probs(target_logits[len(drafts)], params).cpu()
-    out.append(int(torch.multinomial(p, 1, generator=generator)))
-    return out
+    `logits` [R, q, vocab] fp32: the target's logits at each verified position; `drafts` [R, k]; for
+    rows that sample, `draft_probs` [R, k, vocab], the distribution each draft was drawn from;
+    `generated` [R] int64 tokens each request had generated before the step (keys its draws).
+    Returns (tokens [R, q], counts [R]): each row emits tokens[:count] — its accepted drafts, then the
+    target's token. Greedy rows keep the longest prefix of drafts equal to the argmax and then the
+    argmax. Sampled rows keep draft d_j while u_j * q_j(d_j) < p_j(d_j) (u_j uniform), then draw from
+    the normalised max(p - q, 0) at the first rejection, or from p after k acceptances, so each emitted
+    token is distributed as the target's."""
+    R, q, vocab = logits.shape
+    k = q - 1
+    choice = logits.argmax(-1)  # [R, q]
+    greedy_keep = torch.cumprod((drafts == choice[:, :k]).long(), 1)
+    tokens_g, counts_g = choice, greedy_keep.sum(1) + 1
+    if draft_probs is None or bool(tensors.greedy.all()):
+        return tokens_g, counts_g
+    sampler = BatchSampler(vocab)
+    flat = SamplingTensors(*(t.repeat_interleave(q) for t in (
+        tensors.temperature, tensors.greedy, tensors.top_k, tensors.top_p, tensors.min_p, tensors.seed_lo,
+        tensors.seed_hi)))
+    _, sorted_p, order = sampler.filtered_sorted(logits.reshape(R * q, vocab), flat)
+    p = torch.zeros_like(sorted_p).scatter_(1, order, sorted_p / sorted_p.sum(-1, keepdim=True)).view(R, q, vocab)
+    qx = torch.cat([draft_probs, draft_probs.new_zeros(R, 1, vocab)], 1)  # nothing drafted after the last
+    p_d = p[:, :k].gather(2, drafts[:, :, None])[..., 0]
+    q_d = draft_probs.gather(2, drafts[:, :, None])[..., 0]
+    k1, k2 = row_keys(tensors, ACCEPT_COUNTER_BASE + 8 * generated)
+    u = uniforms(k1, k2, torch.arange(k, device=logits.device).expand(R, k))
+    keep = torch.cumprod(((q_d > 0) & (u * q_d < p_d)).long(), 1)
+    n = keep.sum(1)  # drafts accepted
+    at = n[:, None, None].expand(R, 1, vocab)
+    p_n, q_n = p.gather(1, at)[:, 0], qx.gather(1, at)[:, 0]
+    residual = (p_n - q_n).clamp(min=0)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_n)
+    r1, r2 = row_keys(tensors, RESIDUAL_COUNTER_BASE + 8 * generated)
+    race = residual / -torch.log(uniforms(r1, r2, torch.arange(vocab, device=logits.device).expand(R, vocab)))
+    drawn = race.argmax(-1)
+    cols = torch.arange(q, device=logits.device)
+    padded = torch.cat([drafts, drafts.new_zeros(R, 1)], 1)
+    tokens_s = torch.where(cols < n[:, None], padded, drawn[:, None])
+    greedy = tensors.greedy[:, None]
+    return torch.where(greedy, tokens_g, tokens_s), torch.where(tensors.greedy, counts_g, n + 1)
