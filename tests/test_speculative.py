@@ -34,7 +34,11 @@ def run(model, tiny_dir, spec=None, oracle=None, graph_mode=False, **kw):
             out = real(rows)
             for row, res in zip(rows, out):
                 if res is not None:
-                    done = len(engine._live[row.request_id].request.output_token_ids)
+                    # Drafting precedes the scheduler's update: count this step's tokens (a verify row's
+                    # accepted ones, or a completed prompt's first) on top of what it had generated.
+                    req = engine.scheduler.requests[row.request_id]
+                    new = len(row.next_tokens) if row.start == len(req.token_ids) - 1 else 1
+                    done = len(req.output_token_ids) + new
                     want = oracle[row.request_id]
                     res[0][:] = [want[done + j] if done + j < len(want) and (done + j) % 5 != 3 else 0
                                  for j in range(len(res[0]))]

@@ -20,6 +20,8 @@ EXECUTE = "execute"
 """Message kind: run `Runner.execute` with the given items."""
 STOP = "stop"
 """Message kind: leave `follow`, returning the payload."""
+SPEC = "spec"
+"""Message kind: run the device part of a speculative step (`spec_step.SpecPlan`)."""
 
 
 class TokenTail:
@@ -64,14 +66,25 @@ class DrivenRunner:
         broadcast_object((STOP, payload), self.tp)
 
 
-def follow(runner: Runner, tp: TensorParallel):
-    """A follower's loop: run every step rank 0 broadcasts, until it stops; returns the stop's payload."""
+def broadcast_spec(engine, plan) -> None:
+    """Rank 0: send a speculative step's plan (token lists cut to what the step reads) to the followers."""
+    import dataclasses
+
+    broadcast_object((SPEC, dataclasses.replace(plan, items=compact(plan.items))), engine.tp)
+
+
+def follow(runner: Runner, tp: TensorParallel, on_spec=None):
+    """A follower's loop: run every step rank 0 broadcasts, until it stops; returns the stop's payload.
+    `on_spec(plan)` runs a speculative step's device part."""
     if tp.is_driver:
         raise ValueError("rank 0 drives; only the other ranks follow")
     while True:
         kind, *args = broadcast_object(None, tp)
         if kind == STOP:
             return args[0]
-        if kind != EXECUTE:
+        if kind == SPEC and on_spec is not None:
+            on_spec(args[0])
+        elif kind == EXECUTE:
+            runner.execute(*args)
+        else:
             raise RuntimeError(f"rank {tp.rank}: unknown step {kind!r} from rank 0")
-        runner.execute(*args)

@@ -111,8 +111,6 @@ class LLMEngine:
         if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) \
                 or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r} must be a positive integer")
-        if self.spec and tensor_parallel_size > 1:
-            raise ValueError("speculative decoding with tensor_parallel_size > 1 is not implemented yet")
         if isinstance(model, Glm5NextModel):
             self.model = model
             self.dtype = model.embed_tokens.dtype
@@ -168,6 +166,10 @@ class LLMEngine:
         self.scheduler = Scheduler(BlockManager(self.plan.num_blocks, max_num_seqs, block_size), max_num_seqs,
                                    max_num_batched_tokens)
         self.drafter = None
+        self._ended: list[str] = []
+        """Speculative decoding: requests ended since the last step's plan (rank 0 tells the others)."""
+        self._draft_states: dict = {}
+        """Speculative decoding on ranks other than 0: each request's drafts between steps."""
         self.draft_graphs = None
         """Speculative decoding: the post-verify graphs (KDA commit, MTP catch-up, drafts)."""
         if self.spec:
@@ -251,13 +253,20 @@ class LLMEngine:
         if live is None:
             return None
         self.scheduler.abort(request_id)
+        if self.spec:
+            self._ended.append(request_id)
         return self._output(live, "abort")
 
     # ------------------------------------------------------ tensor parallelism
     def follow(self):
         """Ranks other than 0: run the steps rank 0 drives until it releases them; returns what
         rank 0 passed to `release_followers`."""
-        return follow(self.runner, self.tp)
+        on_spec = None
+        if self.spec:
+            from .spec_step import follow_spec
+
+            on_spec = lambda plan: follow_spec(self, plan)  # noqa: E731
+        return follow(self.runner, self.tp, on_spec)
 
     def release_followers(self, payload=None) -> None:
         """Rank 0: end the other ranks' `follow()`, which return `payload`; nothing on one process."""
