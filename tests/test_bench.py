@@ -211,6 +211,28 @@ def test_cli_small_end_to_end(tmp_path):
     assert_plots(out, tmp_path / "result.png")
 
 
+def test_cli_small_under_tensor_parallelism(tmp_path):
+    """`--tensor-parallel-size 2`: the CLI starts two ranks (gloo on the CPU), each builds its shards and
+    runs the steps; rank 0 writes a per-rank floor — half the LM head, between half and all the weights."""
+    out = tmp_path / "tp2.json"
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    env.pop("WORLD_SIZE", None)
+    done = subprocess.run([sys.executable, "-m", "glm5next.cli", "bench", "--mode", "stock", "--small", "--device",
+                           "cpu", "--layers", "4", "--tokens", "1,2", "--context", "40", "--eager-iters", "1",
+                           "--eager-warmup", "0", "--skip-e2e", "--bw-gib", "0.01", "--tensor-parallel-size", "2",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    config = slice_config(4, small=True, tensor_parallel=True)
+    assert result["tensor_parallel_size"] == 2
+    for row in result["steps"]:
+        whole = _hand_weight_bytes(config, row["tokens"]) - config.vocab_size * config.hidden_size * 2
+        got = row["bytes"]
+        assert got["lm_head"] == config.vocab_size // 2 * config.hidden_size * 2
+        assert whole / 2 < got["weights"] + got["embedding"] - got["lm_head"] < whole, (got, whole)
+        assert row["logits_finite"] and row["eager_ms"] > 0
+
+
 def test_step_bytes_verify_hand_count(small):
     """Verify steps: q tokens per sequence share their KDA states and cache reads; the MTP layer's weights
     are not the trunk step's."""

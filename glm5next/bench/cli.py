@@ -53,6 +53,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--speculative-config", default=None,
                    help='end to end with MTP speculative decoding, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\'')
     p.add_argument("--small", action="store_true", help="a reduced-width slice that runs on a CPU in seconds")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="stock mode: shard the slice over N ranks, one process per GPU (under torchrun, or the "
+                        "CLI starts them); the floor is per rank and rank 0 writes the results")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--layers", type=int, default=8, help="layers of the slice (default 8)")
     p.add_argument("--tokens", type=_int_list, default=_int_list(DEFAULT_LEVELS),
@@ -91,7 +94,8 @@ def default_out_path(result: dict) -> str:
     """`bench/results/<date>-<gpu>-<mode>[-small].json` for a result."""
     name = re.sub(r"^nvidia-", "", re.sub(r"[^a-z0-9]+", "-", result["device"].lower()).strip("-")) or "device"
     small = "-small" if result["slice"] == "small" else ""
-    return os.path.join("bench", "results", f"{time.strftime('%Y-%m-%d')}-{name}-{result['mode']}{small}.json")
+    tp = f"-tp{result['tensor_parallel_size']}" if result.get("tensor_parallel_size", 1) > 1 else ""
+    return os.path.join("bench", "results", f"{time.strftime('%Y-%m-%d')}-{name}-{result['mode']}{tp}{small}.json")
 
 
 def _clean(obj):
@@ -147,12 +151,21 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _is_rank0() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
 def cmd_bench(args) -> int:
     """Run the benchmark `args` describe, write the JSON, print the table; the exit status."""
     from ..runtime.speculative import MAX_SPECULATIVE_TOKENS
     from .stock import StockOptions, run_stock
 
     speculative = args.mode == "speculative"
+    if args.tensor_parallel_size < 1 or (args.tensor_parallel_size > 1 and args.mode != "stock"):
+        print("glm5next bench: --tensor-parallel-size must be >= 1, and above 1 only with --mode stock", file=sys.stderr)
+        return 2
     eager_iters = args.eager_iters if args.eager_iters is not None else (5 if speculative else 10)
     replays = args.replays if args.replays is not None else (15 if speculative else 50)
     if args.context < 0 or args.layers < 1 or eager_iters < 1 or replays < 1:
@@ -169,7 +182,7 @@ def cmd_bench(args) -> int:
         eager_iters=eager_iters, eager_warmup=args.eager_warmup, replays=replays,
         graph_warmup=args.graph_warmup, skip_eager=args.skip_eager, skip_graph=args.skip_graph,
         skip_e2e=args.skip_e2e, prompt_len=args.prompt_len, gen_len=args.gen_len, bw_gib=args.bw_gib, seed=args.seed,
-        speculative_config=args.speculative_config,
+        speculative_config=args.speculative_config, tensor_parallel_size=args.tensor_parallel_size,
     )
     if args.mode == "specialized":
         from .specialized import run_specialized
@@ -182,6 +195,8 @@ def cmd_bench(args) -> int:
                                         args.accepted_lengths))
     else:
         result = _clean(run_stock(opts))
+        if not _is_rank0():
+            return 0
     out = args.out or default_out_path(result)
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:

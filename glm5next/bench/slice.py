@@ -20,6 +20,7 @@ from ..checkpoint.inventory import FP8, FP32, expected_tensors
 from ..config import Glm5NextConfig
 from ..model.backbone import Glm5NextModel
 from ..model.params import FP8_BLOCK, FP8_DTYPE, scale_shape
+from ..parallel.group import SINGLE, TensorParallel
 from ..runtime.cache import ModelCache
 
 CHUNK_ELEMS = 1 << 26
@@ -87,14 +88,21 @@ SMALL_OVERRIDES = {
     "pad_token_id": 500,
 }
 """Sizes of the CPU-sized slice: same layer pattern and mechanisms, a few seconds per step on a CPU."""
+SMALL_TP_OVERRIDES = {"intermediate_size": 512, "moe_intermediate_size": 256, "qk_nope_head_dim": 128,
+                      "v_head_dim": 128, "index_head_dim": 128}
+"""Widths of the CPU-sized slice under tensor parallelism: every FP8 weight splits on its 128-wide scale
+blocks over 2 ranks."""
 
 
-def slice_config(num_layers: int = 8, small: bool = False, with_mtp: bool = False) -> Glm5NextConfig:
+def slice_config(num_layers: int = 8, small: bool = False, with_mtp: bool = False,
+                 tensor_parallel: bool = False) -> Glm5NextConfig:
     """GLM-5.3-Flash truncated to layers 0..num_layers-1 (DSA where i % 4 == 3, dense MLP in layers 0-2,
-    MoE after), with the MTP layer only when asked; `small` shrinks every width for CPU tests."""
+    MoE after), with the MTP layer only when asked; `small` shrinks every width for CPU tests (to
+    widths that split over 2 ranks with `tensor_parallel`)."""
     if num_layers < 1:
         raise ValueError(f"num_layers={num_layers} must be at least 1")
-    raw = {**GLM53_FLASH_TEXT, **(SMALL_OVERRIDES if small else {})}
+    small_raw = {**SMALL_OVERRIDES, **(SMALL_TP_OVERRIDES if tensor_parallel else {})} if small else {}
+    raw = {**GLM53_FLASH_TEXT, **small_raw}
     raw["num_hidden_layers"] = num_layers
     raw["num_nextn_predict_layers"] = 1 if with_mtp else 0
     raw["layer_types"] = ["deepseek_sparse_attention" if i % 4 == 3 else "linear_attention" for i in range(num_layers)]
@@ -172,25 +180,25 @@ def _random_fp8(shape, law, gen, device) -> tuple[torch.Tensor, torch.Tensor]:
 
 def build_slice_model(
     config: Glm5NextConfig, device: torch.device | str, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
-    with_mtp: bool = False,
+    with_mtp: bool = False, tp: TensorParallel = SINGLE,
 ) -> Glm5NextModel:
     """The backbone of `config` (with the MTP layer when asked) with seeded random weights drawn on
-    `device` in the checkpoint's dtypes."""
+    `device` in the checkpoint's dtypes; under tensor parallelism, this rank's shards only."""
     device = torch.device(device)
-    model = Glm5NextModel(config, with_mtp=with_mtp)
+    model = Glm5NextModel(config, with_mtp=with_mtp, tp=tp)
     specs = model.tensor_specs()
     expected = expected_tensors(config, include_mtp=with_mtp)
     if set(specs) != set(expected):
         raise RuntimeError(f"model and inventory disagree: {sorted(set(specs) ^ set(expected))[:5]}")
-    gen = torch.Generator(device=device).manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed + 7919 * tp.rank)
     for name, spec in specs.items():
         law = _law(name, spec.shape, config)
         official = expected[name].official_dtype
         if official == FP8 and spec.fp8_ok:
-            spec.install(*_random_fp8(spec.shape, law, gen, device))
+            spec.install(*_random_fp8(spec.local_shape, law, gen, device))
         else:
             keep = spec.keep_fp32 or official == FP32
-            spec.install(_random_dense(spec.shape, law, gen, device, torch.float32 if keep else dtype), None)
+            spec.install(_random_dense(spec.local_shape, law, gen, device, torch.float32 if keep else dtype), None)
     model.dtype = dtype
     return model.eval()
 
@@ -203,13 +211,13 @@ def blocks_per_sequence(context: int, block_size: int, extra_tokens: int = 1) ->
 
 def make_cache(
     config: Glm5NextConfig, num_seqs: int, context: int, block_size: int, dtype: torch.dtype, device,
-    extra_tokens: int = 1, include_mtp: bool = False, verify_tokens: int = 0,
+    extra_tokens: int = 1, include_mtp: bool = False, verify_tokens: int = 0, tp_size: int = 1,
 ) -> ModelCache:
     """A cache with room for `num_seqs` sequences of `context` tokens plus `extra_tokens` new ones each
     (with the MTP layer's cache and the KDA verify scratch of `verify_tokens`-token steps when asked)."""
     per = blocks_per_sequence(context, block_size, extra_tokens)
     return ModelCache(config, num_seqs * per, block_size, num_seqs, dtype, device, include_mtp=include_mtp,
-                      verify_tokens=verify_tokens)
+                      verify_tokens=verify_tokens, tp_size=tp_size)
 
 
 def _fill_normal_(t: torch.Tensor, std: float, gen: torch.Generator) -> None:

@@ -7,6 +7,10 @@ events (the GPU idle before each, median after warm-up); the graph step is
 `graph.replay()` of the runner's captured size-M graph, timed replay by replay
 with CUDA events. The floor is the step's bytes (`floor.step_bytes`, with the
 routing of an eager step) over the read bandwidth measured in the same process.
+
+With `tensor_parallel_size` N (one process per GPU, under torchrun or started by the CLI) every rank
+builds its shards of the slice and runs the same steps; the floor is per rank (the bytes its shards,
+its KDA states and the replicated DSA caches read) and rank 0 reports.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..parallel.group import init_tensor_parallel, local_rank
 from ..runtime.runner import Runner
 from .floor import floor_seconds, measure_read_bandwidth, record_routing, step_bytes, time_replays
 from .slice import build_slice_model, fill_context, make_cache, slice_config
@@ -46,13 +51,18 @@ class StockOptions:
     bw_gib: float = 1.0
     seed: int = 0
     speculative_config: str | None = None
+    tensor_parallel_size: int = 1
 
 
 _START = [time.perf_counter()]
+_QUIET = [False]
+"""Set on tensor-parallel ranks other than 0: rank 0 alone reports."""
 
 
 def log(msg: str) -> None:
     """A progress line on stderr with the wall time and the seconds since the run started."""
+    if _QUIET[0]:
+        return
     print(f"[{time.strftime('%H:%M:%S')} +{time.perf_counter() - _START[0]:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
@@ -129,14 +139,20 @@ def run_stock(opts: StockOptions) -> dict:
     """Run every enabled part; the result as a JSON-ready dict."""
     _START[0] = time.perf_counter()
     device = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    tp = init_tensor_parallel(opts.tensor_parallel_size, device.type)
+    _QUIET[0] = not tp.is_driver
+    if tp.size > 1 and device.type == "cuda":
+        device = torch.device("cuda", local_rank())
     cuda = device.type == "cuda"
     tokens = sorted(set(opts.tokens))
     result: dict = {"mode": "stock", "slice": "small" if opts.small else "real", **_versions(device),
-                    "context": opts.context, "block_size": opts.block_size, "notes": []}
-    config = slice_config(opts.layers, small=opts.small, with_mtp=bool(opts.speculative_config))
+                    "context": opts.context, "block_size": opts.block_size, "notes": [],
+                    "tensor_parallel_size": tp.size}
+    config = slice_config(opts.layers, small=opts.small, with_mtp=bool(opts.speculative_config),
+                          tensor_parallel=tp.size > 1)
     log(f"building the {'small' if opts.small else 'real-width'} {opts.layers}-layer slice on {device}")
     t = time.perf_counter()
-    model = build_slice_model(config, device, seed=opts.seed, with_mtp=bool(opts.speculative_config))
+    model = build_slice_model(config, device, seed=opts.seed, with_mtp=bool(opts.speculative_config), tp=tp)
     _sync(device)
     result["build_s"] = time.perf_counter() - t
     result["config"] = _config_summary(model, config)
@@ -152,7 +168,10 @@ def run_stock(opts: StockOptions) -> dict:
         _release(device)
     result["steps"] = steps
 
-    if opts.skip_e2e:
+    if tp.size > 1 and not opts.skip_e2e:
+        result["notes"].append("end-to-end skipped: the engine's throughput under tensor parallelism is "
+                               "measured with `glm5next serve --tensor-parallel-size`")
+    if opts.skip_e2e or tp.size > 1:
         result["e2e"] = []
     else:
         result["e2e"] = run_e2e(model, device, opts, result["notes"])
@@ -166,7 +185,8 @@ def run_stock(opts: StockOptions) -> dict:
 def _step_benchmarks(model, config, device, tokens, opts: StockOptions, bandwidth: float, notes: list) -> list:
     cuda = device.type == "cuda"
     m_max = tokens[-1]
-    cache = make_cache(config, m_max, opts.context, opts.block_size, model.embed_tokens.dtype, device)
+    cache = make_cache(config, m_max, opts.context, opts.block_size, model.embed_tokens.dtype, device,
+                       tp_size=model.tp.size)
     blocks = fill_context(cache, m_max, opts.context, seed=opts.seed)
     runner = Runner(model, cache, max_model_len=len(blocks[0]) * opts.block_size, capture_sizes=tokens)
     cache_gb = sum(t.numel() * t.element_size() for t in cache.tensors()) / 1e9
