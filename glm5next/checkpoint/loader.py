@@ -86,9 +86,8 @@ def load_checkpoint(
     stored, lost = _read_headers(model_dir, problems)
     plan, skipped, has_mtp = _match(stored, lost, specs, mtp_prefix, config, problems)
     if problems:
-        raise CheckpointError(
-            f"checkpoint {model_dir} does not match the model ({len(problems)} problems):\n  " + "\n  ".join(problems)
-        )
+        raise CheckpointError(f"checkpoint {model_dir} does not match the model ({len(problems)} problems):\n  "
+                              + "\n  ".join(_fold_split_problems(problems)))
     report = LoadReport(has_mtp=has_mtp, skipped=skipped)
     handles: dict[str, object] = {}
     try:
@@ -194,6 +193,21 @@ def _read_headers(model_dir: str, problems: list[str]) -> tuple[dict[str, _Store
             for key in sorted(set(header) - set(listed)):
                 problems.append(f"shard: {fname} holds {key}, which the index does not list")
     return stored, lost
+
+
+SPLIT_PROBLEM = "tensor parallel: "
+SPLIT_EXAMPLES = 3
+
+
+def _fold_split_problems(problems: list[str]) -> list[str]:
+    """`problems` with the FP8 split offenders after the first few folded into one count: a tensor-parallel
+    size that cuts one expert's scale blocks cuts every expert's."""
+    split = [p for p in problems if p.startswith(SPLIT_PROBLEM)]
+    if len(split) <= SPLIT_EXAMPLES + 1:
+        return problems
+    rest = [p for p in problems if not p.startswith(SPLIT_PROBLEM)]
+    more = f"{SPLIT_PROBLEM}... and {len(split) - SPLIT_EXAMPLES} more FP8 weights split the same way"
+    return rest + split[:SPLIT_EXAMPLES] + [more]
 
 
 def _check_fp8_shard(st: _Stored, spec: TensorSpec, problems: list[str]) -> None:
