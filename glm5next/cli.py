@@ -76,9 +76,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory to use")
     p.add_argument("--enforce-eager", action="store_true", help="never replay CUDA graphs")
     p.add_argument("--cuda-graph-sizes", default=None, help="decode sizes to capture, e.g. 1,2,4,8 (default: 1..64)")
-    p.add_argument("--decode-backend", default="stock", choices=["auto", "specialized", "stock"],
-                   help="captured decode steps: the stock forward (default), the specialized executor, or auto "
-                        "(specialized on a GPU for which a measured policy ships)")
+    p.add_argument("--decode-backend", default="auto", choices=["auto", "specialized", "stock"],
+                   help="captured decode steps: auto (default: the specialized executor on one GPU for which a "
+                        "measured policy ships, else stock), the specialized executor, or the stock forward")
     p.add_argument("--policy", default=None, help="a policy JSON written by `glm5next tune-policy`")
     p.add_argument("--speculative-config", default=None,
                    help='MTP speculative decoding, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\'')

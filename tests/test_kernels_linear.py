@@ -105,6 +105,35 @@ def test_every_candidate_runs(name):
     assert rel_err(skinny_linear(x, w, s, **CANDIDATES[name]), linear_reference(x, w, s)) <= 1e-2
 
 
+
+def test_fp16_products_are_the_default_for_fp8_up_to_16_rows():
+    fp8 = dict(ns=[4096], K=4096, weight_bytes=1)
+    assert plan_launch(1, **fp8).half and plan_launch(16, **fp8).half
+    assert not plan_launch(17, **fp8).half and not plan_launch(64, **fp8).half
+    assert not plan_launch(8, [4096], 4096, 2).half  # bf16 weights
+    assert not plan_launch(8, **fp8, x_bytes=4).half  # fp32 activations
+    assert not plan_launch(8, **fp8, mode="gemv").half
+    assert not plan_launch(8, **fp8, half=False).half and plan_launch(64, **fp8, half=True).half
+
+
+@pytest.mark.parametrize("split_k", [1, 2], ids=["nosplit", "split2"])
+def test_activations_beyond_fp16_fall_back_to_bf16_products(split_k):
+    """An activation of 2^17 overflows fp16: the programs that meet it redo their share in bf16
+    products, and the result is the reference's (finite), plain and gated, for every row."""
+    g = torch.Generator().manual_seed(11)
+    w, s = make_weight("fp8", 130, 257, g)
+    w2, s2 = make_weight("fp8", 130, 257, g)
+    x = torch.randn(3, 257, generator=g)
+    x[1, 200] = 2.0**17  # only the programs whose K range holds column 200 meet it
+    x = x.to(torch.bfloat16)
+    for half in (None, True):
+        y = skinny_linear(x, w, s, out=nan_out(3, 130, torch.bfloat16), split_k=split_k, half=half)
+        assert torch.isfinite(y).all()
+        assert rel_err(y, linear_reference(x, w, s)) <= 1e-2
+        z = gate_up_swiglu(x, w, s, w2, s2, 1e9, out=nan_out(3, 130, torch.bfloat16), split_k=split_k, half=half)
+        assert torch.isfinite(z).all()
+        assert rel_err(z, gate_up_swiglu_reference(x, w, s, w2, s2, 1e9)) <= 1e-2
+
 MULTI = {
     1: [("bf16", 130)],
     3: [("fp8", 300), ("fp8", 37), ("fp32", 1)],

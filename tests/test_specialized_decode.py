@@ -3,6 +3,7 @@ planned, and the degradations that switch stages off instead of failing."""
 
 import json
 import logging
+import types
 
 import pytest
 import torch
@@ -116,4 +117,13 @@ def test_build_executor_choices(tiny_fp32, tmp_path):
         build_executor(tiny_fp32, "fast", None, SIZES, False)
     path = tmp_path / "p.json"
     path.write_text(json.dumps({"tables": {"boundary": {"1": "fused"}}}))
+    assert isinstance(build_executor(tiny_fp32, "specialized", str(path), SIZES, False), SpecializedDecode)
+    assert isinstance(build_executor(tiny_fp32, "auto", str(path), SIZES, False), SpecializedDecode)
+
+
+def test_auto_stays_stock_under_tensor_parallelism(tiny_fp32, tmp_path, monkeypatch):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"tables": {"boundary": {"1": "fused"}}}))
+    monkeypatch.setattr(tiny_fp32, "tp", types.SimpleNamespace(size=2, rank=0))
+    assert build_executor(tiny_fp32, "auto", str(path), SIZES, False) is None
     assert isinstance(build_executor(tiny_fp32, "specialized", str(path), SIZES, False), SpecializedDecode)

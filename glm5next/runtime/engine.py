@@ -35,7 +35,7 @@ class LLM:
         capture_sizes=DEFAULT_CAPTURE_SIZES,
         seed: int = 0,
         progress: bool = True,
-        decode_backend: str = "stock",
+        decode_backend: str = "auto",
         policy: str | None = None,
         speculative_config=None,
         tensor_parallel_size: int = 1,

@@ -21,12 +21,17 @@ def build_executor(model, backend: str, policy_path: str | None, capture_sizes, 
     """The executor the runner plans captured decode steps with, or None (stock).
 
     `q`: tokens per decoding row in captured steps (k + 1 under speculative decoding).
-    'auto' picks the specialized executor on a GPU for which a measured policy ships (or one is
-    given), stock otherwise; 'specialized' insists (an error names what is missing); 'stock' never.
+    'auto' (the default) picks the specialized executor on one GPU for which a measured policy ships
+    (or one is given), stock otherwise, and stock under tensor parallelism, where the executor has not
+    yet been run on several GPUs; 'specialized' insists (an error names what is missing); 'stock' never.
     """
     if backend not in DECODE_BACKENDS:
         raise ValueError(f"decode_backend={backend!r}: choose one of {', '.join(DECODE_BACKENDS)}")
     if backend == "stock":
+        return None
+    if backend == "auto" and model.tp.size > 1:
+        logger.info("decode_backend='auto' under tensor parallelism: captured steps run the stock forward "
+                    "(pass decode_backend='specialized' to plan them)")
         return None
     device = model.embed_tokens.device
     if policy_path is not None:

@@ -63,7 +63,8 @@ def test_every_capture_size_replays_like_eager(captured):
 def test_engine_through_graphs_equals_alone_in_fp32(tiny_dir):
     from glm5next import LLM, SamplingParams
 
-    llm = LLM(tiny_dir, dtype="float32", device="cuda", max_model_len=256, max_num_seqs=16, progress=False)
+    llm = LLM(tiny_dir, dtype="float32", device="cuda", max_model_len=256, max_num_seqs=16, num_blocks=256,
+              decode_backend="stock", progress=False)
     assert llm.engine.runner.graphs
     prompts = [f"request {i} " * (1 + i % 4) for i in range(12)]
     params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=8, ignore_eos=True)
@@ -79,10 +80,12 @@ def test_speculative_verify_graphs_equal_plain_decoding_in_fp32(tiny_dir):
 
     prompts = [f"spec {i} " * (1 + i % 3) for i in range(5)]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    plain = LLM(tiny_dir, dtype="float32", device="cuda", max_model_len=256, max_num_seqs=8, progress=False)
+    plain = LLM(tiny_dir, dtype="float32", device="cuda", max_model_len=256, max_num_seqs=8, num_blocks=128,
+                decode_backend="stock", progress=False)
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     del plain
-    spec = LLM(tiny_dir, dtype="float32", device="cuda", max_model_len=256, max_num_seqs=8, progress=False,
+    spec = LLM(tiny_dir, dtype="float32", device="cuda", max_model_len=256, max_num_seqs=8, num_blocks=128,
+               decode_backend="stock", progress=False,
                speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     assert spec.engine.runner.graphs and all(s % 3 == 0 for s in spec.engine.runner.graphs)
     got = [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)]

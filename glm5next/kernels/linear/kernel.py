@@ -49,8 +49,10 @@ class LaunchPlan:
     f32_sub_k: int = 32
     """K chunk of one fp32 (tf32x3) product inside a BLOCK_K step, bounding its registers."""
     half: bool = False
-    """FP8 weights meet bf16 activations in fp16 (e4m3 widens to fp16 in one instruction per pair;
-    bf16 activations convert exactly while |x| < 65504): a launch variant for the policy to measure."""
+    """FP8 weights meet 16-bit activations in fp16 products (e4m3 widens to fp16 in one instruction per
+    pair; bf16 activations convert exactly for 2^-14 <= |x| < 65504, and below that lose bits only where
+    their products are below fp32's accumulation error). A program whose products come out non-finite
+    redoes its share in bf16 products."""
 
 
 @triton.jit
@@ -79,8 +81,8 @@ def _chunk(x_ptrs, w_ptr, w2_ptr, w_offs, kk, row_ok, col_ok, K, k0, s_ptr, s2_p
     each times its 128x128 block scale when IS_FP8 (a chunk never spans two scale blocks)."""
     k_ok = (k0 + kk) < K
     xt = tl.load(x_ptrs + k0, mask=row_ok & k_ok[None, :], other=0.0)
-    if HALF and IS_FP8 and not F32:
-        xt = xt.to(tl.float16)  # the weights then widen to fp16 in _mma
+    if HALF and IS_FP8:
+        xt = xt.to(tl.float16)  # the weights then widen to fp16 in _mma (F32 is then false)
     w_ok = k_ok[:, None] & col_ok
     part = _mma(xt, tl.load(w_ptr + w_offs + k0, mask=w_ok, other=0.0), F32, USE_DOT)
     if IS_FP8:
@@ -100,8 +102,10 @@ def _accumulate(x_ptr, stride_xm, M, K, w_ptr, s_ptr, w2_ptr, s2_ptr, s_stride, 
                 HALF: tl.constexpr):
     """x[:, K range] @ W[n0:n0+BLOCK_N, K range].T (and the same with W2 when TWO), in fp32."""
     # fp32 products (tf32x3) hold 3 operand copies in registers: feed them F32_SUB K at a time;
-    # an FP8 chunk stays within one 128-wide scale block.
-    WIDE: tl.constexpr = F32_SUB if F32 else BLOCK_K
+    # an FP8 chunk stays within one 128-wide scale block. fp16 products (HALF, FP8 weights) take
+    # precedence over F32, which the interpreter sets for every projection of 16-bit activations.
+    PROD32: tl.constexpr = F32 and not (HALF and IS_FP8)
+    WIDE: tl.constexpr = F32_SUB if PROD32 else BLOCK_K
     SUB: tl.constexpr = min(WIDE, 128) if IS_FP8 else WIDE
     rows = tl.arange(0, BLOCK_M)
     cols = n0 + tl.arange(0, BLOCK_N)
@@ -117,7 +121,7 @@ def _accumulate(x_ptr, stride_xm, M, K, w_ptr, s_ptr, w2_ptr, s2_ptr, s_stride, 
         k0 = (it0 + i) * BLOCK_K
         for c in tl.static_range(0, BLOCK_K, SUB):
             part, part2 = _chunk(x_ptrs, w_ptr, w2_ptr, w_offs, kk, row_ok, col_ok, K, k0 + c, s_ptr, s2_ptr, s_row,
-                                 F32, TWO, USE_DOT, IS_FP8, HALF)
+                                 PROD32, TWO, USE_DOT, IS_FP8, HALF)
             acc += part
             if TWO:
                 acc2 += part2
@@ -151,6 +155,16 @@ def _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, local, pid_k, 
     n_it = tl.minimum(ITERS, K_ITERS - it0)
     acc, acc2 = _accumulate(x_ptr, stride_xm, M, K, w_ptr, s_ptr, w2_ptr, s2_ptr, s_stride, n0, N, it0,
                             n_it, IS_FP8, F32, TWO, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, HALF)
+    if HALF and IS_FP8:
+        # An activation beyond fp16's range (|x| >= 65504) makes this program's products non-finite
+        # (inf, or NaN against a zero weight): it then redoes its share in bf16 products (fp32 in the
+        # interpreter), so the result is that path's whatever the activations.
+        ok = tl.abs(acc) < 3.0e38
+        if TWO:
+            ok = ok & (tl.abs(acc2) < 3.0e38)
+        if tl.min(ok.to(tl.int32)) == 0:
+            acc, acc2 = _accumulate(x_ptr, stride_xm, M, K, w_ptr, s_ptr, w2_ptr, s2_ptr, s_stride, n0, N, it0,
+                                    n_it, IS_FP8, F32, TWO, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, False)
     if SPLIT:
         TILE: tl.constexpr = BLOCK_M * BLOCK_N
         PARTS: tl.constexpr = 2 if TWO else 1
