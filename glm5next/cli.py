@@ -147,6 +147,15 @@ def main(argv: list[str] | None = None) -> int:
     if tp > 1 and "WORLD_SIZE" not in os.environ:  # not started by torchrun: start the ranks under it
         from .parallel.launch import relaunch
 
+        if getattr(args, "model", None):
+            try:  # refuse a size the model cannot split once, here, rather than once per rank
+                from .config import Glm5NextConfig
+                from .parallel.group import check_divisible
+
+                check_divisible(Glm5NextConfig.from_file(args.model), tp)
+            except (ValueError, OSError) as e:
+                print(f"glm5next: error: {e}", file=sys.stderr)
+                return 2
         return relaunch(tp, sys.argv[1:] if argv is None else list(argv))
     try:
         return args.func(args)
