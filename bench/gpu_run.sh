@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The GPU measurements of bench/NOTES.md, in one process tree per call:
+#
+#   OUT=DIR bench/gpu_run.sh STEP [STEP ...]
+#
+# STEP: tests | tune:SIZES (e.g. tune:1,2,4,8) | specialized | speculative | sweep[:M,M,...]
+# Each step writes its log (and JSON) under $OUT and gets its own time limit, so one slow step
+# leaves the others' results. Triton's compiled kernels go to $TRITON_CACHE_DIR (default
+# .triton-cache in this tree, ignored by git), so a later call on the same machine skips compiling.
+set -u
+OUT=${OUT:-bench-out}
+mkdir -p "$OUT"
+export PYTHONPATH=${PYTHONPATH:-.}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton-cache}
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$OUT/gpu.txt" 2>&1
+
+run() {  # run NAME LIMIT_S CMD...
+    local name=$1 limit=$2
+    shift 2
+    local t0=$SECONDS
+    timeout -s INT "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "$name: rc=$rc in $((SECONDS - t0)) s"
+    tail -n 4 "$OUT/$name.log"
+}
+
+for step in "$@"; do
+    case $step in
+        tests)
+            run gpu-tests 480 python -m pytest -v -rP -p no:cacheprovider -o faulthandler_timeout=240 \
+                --durations=15 tests/gpu ;;
+        tune:*)
+            sizes=${step#tune:}
+            run "tune-${sizes//,/-}" 420 python -m glm5next.cli tune-policy --sizes "$sizes" \
+                --out "$OUT/tune-${sizes//,/-}.json" ;;
+        specialized)
+            run specialized 420 python -m glm5next.cli bench --mode specialized --out "$OUT/specialized.json" ;;
+        speculative)
+            run speculative 420 python -m glm5next.cli bench --mode speculative --requests 1,4,16 \
+                --num-speculative-tokens 2 --replays 10 --out "$OUT/speculative.json" ;;
+        sweep | sweep:*)
+            m=${step#sweep}
+            m=${m#:}
+            run sweep 420 python -m glm5next.bench.sweep --skip-boundary --m "${m:-1,8,16,32,64}" \
+                --out "$OUT/sweep.json" ;;
+        *)
+            echo "unknown step: $step (tests, tune:SIZES, specialized, speculative, sweep[:M,...])" >&2
+            exit 2 ;;
+    esac
+done
