@@ -127,3 +127,12 @@ def test_auto_stays_stock_under_tensor_parallelism(tiny_fp32, tmp_path, monkeypa
     monkeypatch.setattr(tiny_fp32, "tp", types.SimpleNamespace(size=2, rank=0))
     assert build_executor(tiny_fp32, "auto", str(path), SIZES, False) is None
     assert isinstance(build_executor(tiny_fp32, "specialized", str(path), SIZES, False), SpecializedDecode)
+
+
+def test_the_shipped_h200_policy_covers_every_captured_size():
+    from glm5next.runtime.runner import DEFAULT_CAPTURE_SIZES
+
+    policy = Policy.for_gpu("NVIDIA H200")
+    assert policy is not None and Policy.for_gpu("NVIDIA A100-SXM4-80GB") is None
+    for stage in STAGES:
+        assert all(policy(stage, m) is not None for m in DEFAULT_CAPTURE_SIZES), stage
