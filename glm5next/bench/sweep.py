@@ -34,22 +34,31 @@ VARIANTS = {
     "gemv": dict(mode="gemv"),
     "fp16": dict(half=True),
     "fp16-bk256": dict(half=True, block_k=256),
+    "bf16": dict(half=False),
 }
+"""Keyword overrides of the skinny kernels; "heuristic" is the default launch (fp16 products for FP8
+weights at up to 16 rows), "fp16"/"bf16" force the product type at every row count."""
+HALF_ONLY = ("fp16", "fp16-bk256", "bf16")
+"""Variants that change FP8 weights only: skipped for BF16 cases."""
 SHAPES = {
-    # name: (list of [N, K] FP8 weights in one call, gated)
-    "dsa_group": ([(1536, 4096), (576, 4096), (128, 4096)], False),
-    "dsa_q_b": ([(20480, 1536)], False),
-    "dsa_o_proj": ([(4096, 16384)], False),
-    "dense_gate_up": ([(12288, 4096)], True),
-    "dense_down": ([(4096, 12288)], False),
-    "shared_gate_up": ([(2048, 4096)], True),
-    "shared_down": ([(4096, 2048)], False),
+    # name: (list of [N, K] weights in one call, gated, storage)
+    "kda_group": ([(8192, 4096)] * 3 + [(64, 4096), (128, 4096), (128, 4096)], False, "bf16"),
+    "kda_o_proj": ([(4096, 8192)], False, "bf16"),
+    "dsa_group": ([(1536, 4096), (576, 4096), (128, 4096)], False, "fp8"),
+    "dsa_q_b": ([(20480, 1536)], False, "fp8"),
+    "dsa_o_proj": ([(4096, 16384)], False, "fp8"),
+    "dense_gate_up": ([(12288, 4096)], True, "fp8"),
+    "dense_down": ([(4096, 12288)], False, "fp8"),
+    "shared_gate_up": ([(2048, 4096)], True, "fp8"),
+    "shared_down": ([(4096, 2048)], False, "fp8"),
 }
 
 
-def _fp8(n: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    w, s = quantize_fp8_blocks(torch.randn(n, k, device=device))
-    return w, s
+def _weight(n: int, k: int, device, storage: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    w = torch.randn(n, k, device=device)
+    if storage == "bf16":
+        return (w * 0.02).to(torch.bfloat16), None
+    return quantize_fp8_blocks(w)
 
 
 def _time(fn, calls: int, replays: int) -> float:
@@ -59,18 +68,18 @@ def _time(fn, calls: int, replays: int) -> float:
 
 def sweep_linear(device, m_values, bandwidth: float, replays: int) -> list[dict]:
     rows = []
-    for name, (shapes, gated) in SHAPES.items():
-        per = sum(n * k for n, k in shapes) * (2 if gated else 1)
+    for name, (shapes, gated, storage) in SHAPES.items():
+        per = sum(n * k for n, k in shapes) * (2 if gated else 1) * (2 if storage == "bf16" else 1)
         copies = max(1, -(-ROTATE_BYTES // per))
         insts = []
         for _ in range(copies):
-            ws = [_fp8(n, k, device) for n, k in shapes]
-            ups = [_fp8(n, k, device) for n, k in shapes] if gated else None
+            ws = [_weight(n, k, device, storage) for n, k in shapes]
+            ups = [_weight(n, k, device, storage) for n, k in shapes] if gated else None
             insts.append((ws, ups))
         for m in m_values:
             x = torch.randn(m, shapes[0][1], device=device).to(torch.bfloat16) * 0.1
             for variant, kw in VARIANTS.items():
-                if kw.get("mode") == "gemv" and m > 8:
+                if (kw.get("mode") == "gemv" and m > 8) or (storage == "bf16" and variant in HALF_ONLY):
                     continue
 
                 def run(kw=kw, insts=insts, x=x):
