@@ -144,20 +144,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     tp = getattr(args, "tensor_parallel_size", 1)
-    if tp > 1 and "WORLD_SIZE" not in os.environ:  # not started by torchrun: start the ranks under it
-        from .parallel.launch import relaunch
+    try:
+        if tp > 1 and "WORLD_SIZE" not in os.environ:  # not started by torchrun: start the ranks under it
+            from .parallel.launch import relaunch
 
-        if getattr(args, "model", None):
-            try:  # refuse a size the model cannot split once, here, rather than once per rank
+            if getattr(args, "model", None):  # refuse a size the model cannot split once, not once per rank
                 from .config import Glm5NextConfig
                 from .parallel.group import check_divisible
 
                 check_divisible(Glm5NextConfig.from_file(args.model), tp)
-            except (ValueError, OSError) as e:
-                print(f"glm5next: error: {e}", file=sys.stderr)
-                return 2
-        return relaunch(tp, sys.argv[1:] if argv is None else list(argv))
-    try:
+            return relaunch(tp, sys.argv[1:] if argv is None else list(argv))
         return args.func(args)
     except (ValueError, RuntimeError, OSError) as e:
         print(f"glm5next: error: {e}", file=sys.stderr)

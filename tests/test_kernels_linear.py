@@ -105,7 +105,6 @@ def test_every_candidate_runs(name):
     assert rel_err(skinny_linear(x, w, s, **CANDIDATES[name]), linear_reference(x, w, s)) <= 1e-2
 
 
-
 def test_fp16_products_are_the_default_for_fp8_up_to_16_rows():
     fp8 = dict(ns=[4096], K=4096, weight_bytes=1)
     assert plan_launch(1, **fp8).half and plan_launch(16, **fp8).half
@@ -133,6 +132,7 @@ def test_activations_beyond_fp16_fall_back_to_bf16_products(split_k):
         z = gate_up_swiglu(x, w, s, w2, s2, 1e9, out=nan_out(3, 130, torch.bfloat16), split_k=split_k, half=half)
         assert torch.isfinite(z).all()
         assert rel_err(z, gate_up_swiglu_reference(x, w, s, w2, s2, 1e9)) <= 1e-2
+
 
 MULTI = {
     1: [("bf16", 130)],

@@ -134,5 +134,6 @@ def test_the_shipped_h200_policy_covers_every_captured_size():
 
     policy = Policy.for_gpu("NVIDIA H200")
     assert policy is not None and Policy.for_gpu("NVIDIA A100-SXM4-80GB") is None
+    assert policy.source == "glm5next/specialized_decode/policies/nvidia-h200.json"
     for stage in STAGES:
         assert all(policy(stage, m) is not None for m in DEFAULT_CAPTURE_SIZES), stage

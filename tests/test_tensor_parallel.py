@@ -59,7 +59,6 @@ def test_a_size_that_does_not_divide_is_refused_naming_the_dimensions(tp_single)
     Glm5NextModel(tp_single.config, tp=TensorParallel(1, 4))  # the counter-example builds
 
 
-
 def test_the_command_refuses_a_size_before_starting_ranks(tiny_dir, capsys, monkeypatch):
     import glm5next.parallel.launch as launch
     from glm5next.cli import main
@@ -69,6 +68,7 @@ def test_the_command_refuses_a_size_before_starting_ranks(tiny_dir, capsys, monk
     assert main(["generate", "--model", tiny_dir, "--prompt", "hi", "--tensor-parallel-size", "3"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "tensor_parallel_size=3 does not divide" in err[0]
+
 
 def test_fp8_weights_must_split_on_scale_blocks(tiny_dir):
     with pytest.raises(CheckpointError, match=r"layers\.0\.mlp\.gate_proj\.weight is FP8 with 128x128 scale blocks, "

@@ -37,9 +37,8 @@ VARIANTS = {
     "bf16": dict(half=False),
 }
 """Keyword overrides of the skinny kernels; "heuristic" is the default launch (fp16 products for FP8
-weights at up to 16 rows), "fp16"/"bf16" force the product type at every row count."""
-HALF_ONLY = ("fp16", "fp16-bk256", "bf16")
-"""Variants that change FP8 weights only: skipped for BF16 cases."""
+weights at up to 16 rows), "fp16"/"bf16" force the product type at every row count (FP8 weights only:
+skipped for BF16 cases)."""
 SHAPES = {
     # name: (list of [N, K] weights in one call, gated, storage)
     "kda_group": ([(8192, 4096)] * 3 + [(64, 4096), (128, 4096), (128, 4096)], False, "bf16"),
@@ -79,7 +78,7 @@ def sweep_linear(device, m_values, bandwidth: float, replays: int) -> list[dict]
         for m in m_values:
             x = torch.randn(m, shapes[0][1], device=device).to(torch.bfloat16) * 0.1
             for variant, kw in VARIANTS.items():
-                if (kw.get("mode") == "gemv" and m > 8) or (storage == "bf16" and variant in HALF_ONLY):
+                if (kw.get("mode") == "gemv" and m > 8) or (storage == "bf16" and "half" in kw):
                     continue
 
                 def run(kw=kw, insts=insts, x=x):

@@ -106,9 +106,14 @@ class Policy:
 
     @classmethod
     def for_gpu(cls, name: str) -> "Policy | None":
-        """The shipped policy for the GPU called `name`, or None where none ships."""
+        """The shipped policy for the GPU called `name`, or None where none ships; its source names the
+        file inside the package, wherever that is installed."""
         path = os.path.join(POLICY_DIR, gpu_slug(name) + ".json")
-        return cls.from_file(path) if os.path.exists(path) else None
+        if not os.path.exists(path):
+            return None
+        policy = cls.from_file(path)
+        policy.source = f"glm5next/specialized_decode/policies/{os.path.basename(path)}"
+        return policy
 
     def __repr__(self) -> str:
         runs = {s: sorted(n for n, c in t.items() if c is not None) for s, t in self.tables.items()}

@@ -117,7 +117,7 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
     buffers = 100_000 // per_stage
     stages = max(2, min(5, buffers if bm >= 64 else buffers + 1))
     if half is None:
-        half = weight_bytes == 1 and x_bytes == 2 and bm == 16
+        half = weight_bytes == 1 and bm == 16
     return LaunchPlan(bm, bn, bk, split, use_dot, num_warps=8 if (bm >= 64 and gated) else 4, num_stages=stages,
                       f32_sub_k=(32 if bm <= 16 else 16) if gpu else bk,
                       half=bool(half) and use_dot and x_bytes == 2)
