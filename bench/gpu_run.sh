@@ -4,6 +4,7 @@
 #   OUT=DIR bench/gpu_run.sh STEP [STEP ...]
 #
 # STEP: tests | tune:SIZES (e.g. tune:1,2,4,8) | specialized | speculative | sweep[:M,M,...]
+# (SWEEP_ARGS adds options to the sweep, e.g. "--skip-probe --variants heuristic,swap").
 # Each step writes its log (and JSON) under $OUT and gets its own time limit, so one slow step
 # leaves the others' results. Triton's compiled kernels go to $TRITON_CACHE_DIR (default
 # .triton-cache in this tree, ignored by git), so a later call on the same machine skips compiling.
@@ -42,7 +43,7 @@ for step in "$@"; do
             m=${step#sweep}
             m=${m#:}
             run sweep 420 python -m glm5next.bench.sweep --skip-boundary --m "${m:-1,8,16,32,64}" \
-                --out "$OUT/sweep.json" ;;
+                --out "$OUT/sweep.json" ${SWEEP_ARGS:-} ;;
         *)
             echo "unknown step: $step (tests, tune:SIZES, specialized, speculative, sweep[:M,...])" >&2
             exit 2 ;;

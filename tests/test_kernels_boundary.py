@@ -190,3 +190,19 @@ def test_two_streams_use_the_generic_sinkhorn():
     want = ref.mhc_boundary(out, streams, post, comb, fn, base, scale, w, **KW)
     for a, b in zip(got, want):
         _close(a, b, 1e-5)
+
+
+def test_rows_wider_than_one_finisher_tile():
+    """Token blocks of 2 give a 2048-wide finisher tile: a 4100-wide row is collapsed, stored and
+    normalised tile by tile (the path of the GPU's larger token counts)."""
+    T, D = 3, 4100
+    assert fused.plan(T, D, N, False, block_t=2)["FIN"] < D
+    out, streams, post, comb, hc, norm_w = _case(T, D, torch.float32, seed=5)
+    got = fused.mhc_boundary(out, streams, post, comb, *_mixer(hc), norm_w, **KW, block_t=2,
+                             **_nan_buffers(T, D, torch.float32))
+    want = ref.mhc_boundary(out, streams, post, comb, *_mixer(hc), norm_w, **KW)
+    for g, w in zip(got, want):
+        _close(g, w, 1e-5)
+    hidden = fused.mhc_last(out, streams, post, comb, norm_w, norm_eps=NORM_EPS, block_t=2,
+                            hidden=torch.full((T, D), float("nan")))
+    _close(hidden, ref.mhc_last(out, streams, post, comb, norm_w, norm_eps=NORM_EPS), 1e-5)

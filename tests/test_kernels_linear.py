@@ -81,6 +81,7 @@ def test_linear_into_strided_view_leaves_the_rest(kind, split_k):
 VARIANTS = {
     "gemv": dict(mode="gemv"), "gemv-16": dict(mode="gemv", block_n=16), "dot-16": dict(mode="dot", block_n=16),
     "dot-128": dict(mode="dot", block_n=128), "k256": dict(block_k=256), "k256-128": dict(block_k=256, block_n=128),
+    "swap": dict(mode="swap"), "swap-128": dict(mode="swap", block_n=128), "swap-k256": dict(mode="swap", block_k=256),
 }
 
 
@@ -105,6 +106,62 @@ def test_every_candidate_runs(name):
     assert rel_err(skinny_linear(x, w, s, **CANDIDATES[name]), linear_reference(x, w, s)) <= 1e-2
 
 
+@pytest.mark.parametrize("split_k", [1, 2], ids=["nosplit", "split2"])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=["fp32x", "bf16x"])
+def test_swapped_operands_gated_and_multi(split_k, x_dtype):
+    """The swapped product (W @ x.T) through the gated SwiGLU and a mixed-storage multi launch."""
+    g = torch.Generator().manual_seed(12)
+    w, s = make_weight("fp8", 130, 300, g)
+    w2, s2 = make_weight("fp8", 130, 300, g)
+    projections = [make_weight(kind, n, 300, g) for kind, n in [("fp8", 70), ("bf16", 37), ("fp32", 1)]]
+    for m in (1, 6, 17):
+        x = torch.randn(m, 300, generator=g).to(x_dtype)
+        z = gate_up_swiglu(x, w, s, w2, s2, 7.0, out=nan_out(m, 130, x_dtype), split_k=split_k, mode="swap")
+        assert rel_err(z, gate_up_swiglu_reference(x, w, s, w2, s2, 7.0)) <= tol(x_dtype)
+        outs = [nan_out(m, pw.shape[0], x_dtype) for pw, _ in projections]
+        skinny_linear_multi(x, projections, outs, split_k=split_k, mode="swap")
+        for y, ref in zip(outs, linear_multi_reference(x, projections)):
+            assert rel_err(y, ref) <= tol(x_dtype)
+
+
+@pytest.mark.parametrize("split_k", [1, 2], ids=["nosplit", "split2"])
+def test_tensor_descriptor_loads(split_k, monkeypatch):
+    """FP8 weight tiles through tensor descriptors (zero-filled past the last row and column: N = 130,
+    K = 304 leave ragged tiles), plain, gated, in a multi launch and with the bf16 fallback; a mixed-storage
+    multi launch keeps pointer loads."""
+    from glm5next.kernels.linear import kernel
+
+    built = []
+    make = kernel.TensorDescriptor.from_tensor
+    monkeypatch.setattr(kernel.TensorDescriptor, "from_tensor",
+                        staticmethod(lambda t, block: built.append(tuple(t.shape)) or make(t, block)))
+    g = torch.Generator().manual_seed(13)
+    w, s = make_weight("fp8", 130, 304, g)
+    w2, s2 = make_weight("fp8", 130, 304, g)
+    fp8s = [make_weight("fp8", n, 304, g) for n in (70, 37, 1)]
+    mixed = [make_weight("fp8", 70, 304, g), make_weight("bf16", 37, 304, g)]
+    for m in (1, 6, 16, 17):
+        x = torch.randn(m, 304, generator=g)
+        if m == 6:
+            x[2, 250] = 2.0**17  # beyond fp16: the programs meeting it redo their share in bf16 products
+        x = x.to(torch.bfloat16)
+        built.clear()
+        y = skinny_linear(x, w, s, out=nan_out(m, 130, torch.bfloat16), split_k=split_k, mode="tma")
+        assert rel_err(y, linear_reference(x, w, s)) <= 1e-2
+        z = gate_up_swiglu(x, w, s, w2, s2, 7.0, out=nan_out(m, 130, torch.bfloat16), split_k=split_k, mode="tma")
+        assert rel_err(z, gate_up_swiglu_reference(x, w, s, w2, s2, 7.0)) <= 1e-2
+        outs = [nan_out(m, pw.shape[0], torch.bfloat16) for pw, _ in fp8s]
+        skinny_linear_multi(x, fp8s, outs, split_k=split_k, mode="tma")
+        for y, ref in zip(outs, linear_multi_reference(x, fp8s)):
+            assert rel_err(y, ref) <= 1e-2
+        assert built == [(130, 304), (130, 304), (130, 304), (70, 304), (37, 304), (1, 304)]
+        outs = [nan_out(m, pw.shape[0], torch.bfloat16) for pw, _ in mixed]
+        skinny_linear_multi(x, mixed, outs, split_k=split_k, mode="tma")
+        for y, ref in zip(outs, linear_multi_reference(x, mixed)):
+            assert rel_err(y, ref) <= 1e-2
+        assert len(built) == 6
+
+
 def test_fp16_products_are_the_default_for_fp8_up_to_16_rows():
     fp8 = dict(ns=[4096], K=4096, weight_bytes=1)
     assert plan_launch(1, **fp8).half and plan_launch(16, **fp8).half
@@ -113,6 +170,20 @@ def test_fp16_products_are_the_default_for_fp8_up_to_16_rows():
     assert not plan_launch(8, **fp8, x_bytes=4).half  # fp32 activations
     assert not plan_launch(8, **fp8, mode="gemv").half
     assert not plan_launch(8, **fp8, half=False).half and plan_launch(64, **fp8, half=True).half
+
+
+def test_tensor_descriptors_are_the_default_with_fp16_products():
+    """Where FP8 weights meet fp16 products (mode None) the tiles come through tensor descriptors and a
+    gated call halves the heuristic's split; elsewhere, or with an explicit mode, pointer loads."""
+    fp8 = dict(ns=[12288], K=4096, weight_bytes=1)
+    assert plan_launch(1, **fp8).tma and plan_launch(16, **fp8).tma
+    assert not plan_launch(17, **fp8).tma and not plan_launch(8, **fp8, half=False).tma
+    assert not plan_launch(8, **fp8, mode="dot").tma and plan_launch(64, **fp8, mode="tma").tma
+    assert not plan_launch(8, [4096], 4096, 2).tma and not plan_launch(8, **fp8, x_bytes=4).tma
+    assert not plan_launch(8, **fp8, widest_bytes=2).tma  # a BF16 weight in the same launch
+    plain = plan_launch(1, **fp8, gated=True, mode="dot").split_k
+    assert plan_launch(1, **fp8, gated=True).split_k == max(1, round(plain * 0.5)) < plain
+    assert plan_launch(1, **fp8).split_k == plan_launch(1, **fp8, mode="dot").split_k
 
 
 @pytest.mark.parametrize("split_k", [1, 2], ids=["nosplit", "split2"])
@@ -125,11 +196,12 @@ def test_activations_beyond_fp16_fall_back_to_bf16_products(split_k):
     x = torch.randn(3, 257, generator=g)
     x[1, 200] = 2.0**17  # only the programs whose K range holds column 200 meet it
     x = x.to(torch.bfloat16)
-    for half in (None, True):
-        y = skinny_linear(x, w, s, out=nan_out(3, 130, torch.bfloat16), split_k=split_k, half=half)
+    for half, mode in ((None, None), (True, None), (None, "swap")):
+        y = skinny_linear(x, w, s, out=nan_out(3, 130, torch.bfloat16), split_k=split_k, half=half, mode=mode)
         assert torch.isfinite(y).all()
         assert rel_err(y, linear_reference(x, w, s)) <= 1e-2
-        z = gate_up_swiglu(x, w, s, w2, s2, 1e9, out=nan_out(3, 130, torch.bfloat16), split_k=split_k, half=half)
+        z = gate_up_swiglu(x, w, s, w2, s2, 1e9, out=nan_out(3, 130, torch.bfloat16), split_k=split_k, half=half,
+                           mode=mode)
         assert torch.isfinite(z).all()
         assert rel_err(z, gate_up_swiglu_reference(x, w, s, w2, s2, 1e9)) <= 1e-2
 
@@ -230,7 +302,8 @@ def test_split_is_deterministic():
 
 
 def test_gpu_plans_fill_the_machine():
-    """The real decode shapes on 132 SMs: enough programs, splits only where tiles are few."""
+    """The real decode shapes on 132 SMs: enough programs (about 2 per SM; 1 for the gated FP8 call,
+    which streams two tiles), splits only where tiles are few."""
     def programs(plan, ns):
         return sum(-(-n // plan.block_n) for n in ns) * plan.split_k
 
@@ -243,7 +316,7 @@ def test_gpu_plans_fill_the_machine():
         assert o_proj.block_k == 128 and o_proj.use_dot and o_proj.block_m == max(16, m)
         if m <= 16:
             assert programs(dsa, [1536, 512, 128]) >= 264 and programs(o_proj, [4096]) >= 264
-            assert programs(shared, [2048]) >= 256
+            assert programs(shared, [2048]) >= 128  # gated calls with FP8 tiles through descriptors: ~1 per SM
         for plan in (dsa, o_proj, shared):
             assert 1 <= plan.split_k <= 16
     assert plan_launch(1, [4096], 8192, 2) == plan_launch(1, [4096], 8192, 2)  # deterministic

@@ -19,13 +19,14 @@ import triton.language as tl
 
 from ..checkpoint.fp8 import quantize_fp8_blocks
 from ..config import MHC_POST_MULT
-from ..kernels.boundary import mhc_boundary
+from ..kernels.boundary import mhc_boundary, mhc_last
 from ..kernels.linear import gate_up_swiglu, skinny_linear, skinny_linear_multi
 from .floor import capture, measure_read_bandwidth, time_replays
 from .stages import ROTATE_BYTES
 
 VARIANTS = {
     "heuristic": {},
+    "dot": dict(mode="dot"),
     "bk256": dict(block_k=256),
     "bn128": dict(block_n=128),
     "bk256-bn128": dict(block_k=256, block_n=128),
@@ -35,10 +36,22 @@ VARIANTS = {
     "fp16": dict(half=True),
     "fp16-bk256": dict(half=True, block_k=256),
     "bf16": dict(half=False),
+    "swap": dict(mode="swap"),
+    "swap-bn128": dict(mode="swap", block_n=128),
+    "swap-bk256": dict(mode="swap", block_k=256),
+    "swap-split-2x": dict(mode="swap", split_factor=2),
+    "swap-bf16": dict(mode="swap", half=False),
+    "tma": dict(mode="tma"),
+    "tma-bn128": dict(mode="tma", block_n=128),
+    "tma-split-2x": dict(mode="tma", split_factor=2),
+    "tma-split-half": dict(mode="tma", split_factor=0.5),
+    "tma-bf16": dict(mode="tma", half=False),
 }
 """Keyword overrides of the skinny kernels; "heuristic" is the default launch (fp16 products for FP8
-weights at up to 16 rows), "fp16"/"bf16" force the product type at every row count (FP8 weights only:
-skipped for BF16 cases)."""
+weights at up to 16 rows, their tiles through tensor descriptors), "dot" the same with pointer loads
+(and the full split for gated calls), "fp16"/"bf16" force the product type at every row count (FP8
+weights only: skipped for BF16 cases), "swap*" multiply W @ x.T (the weight tile as the left, register
+operand), "tma*" load FP8 weight tiles through tensor descriptors."""
 SHAPES = {
     # name: (list of [N, K] weights in one call, gated, storage)
     "kda_group": ([(8192, 4096)] * 3 + [(64, 4096), (128, 4096), (128, 4096)], False, "bf16"),
@@ -65,9 +78,11 @@ def _time(fn, calls: int, replays: int) -> float:
     return statistics.median(time_replays(graph, replays, 2)) * 1e3 / calls
 
 
-def sweep_linear(device, m_values, bandwidth: float, replays: int) -> list[dict]:
+def sweep_linear(device, m_values, bandwidth: float, replays: int, variants=None, cases=None) -> list[dict]:
     rows = []
     for name, (shapes, gated, storage) in SHAPES.items():
+        if cases is not None and name not in cases:
+            continue
         per = sum(n * k for n, k in shapes) * (2 if gated else 1) * (2 if storage == "bf16" else 1)
         copies = max(1, -(-ROTATE_BYTES // per))
         insts = []
@@ -78,6 +93,8 @@ def sweep_linear(device, m_values, bandwidth: float, replays: int) -> list[dict]
         for m in m_values:
             x = torch.randn(m, shapes[0][1], device=device).to(torch.bfloat16) * 0.1
             for variant, kw in VARIANTS.items():
+                if variants is not None and variant not in variants:
+                    continue
                 if (kw.get("mode") == "gemv" and m > 8) or (storage == "bf16" and "half" in kw):
                     continue
 
@@ -188,6 +205,48 @@ def sweep_boundary(device, t_values, replays: int) -> list[dict]:
     return rows
 
 
+@triton.jit
+def _empty(x_ptr):
+    pass
+
+
+def boundary_parts(device, t_values, replays: int) -> list[dict]:
+    """Where the boundary's time goes, with the default tiling: the whole boundary, the same with one
+    Sinkhorn iteration (the other 19 are the difference), the last layer's variant (hc_post, the mean
+    and the final norm: the chunk phase without the mixer GEMV, and a finisher without Sinkhorn or
+    collapse) and an empty launch (the graph's cost per kernel)."""
+    D, n = 4096, 4
+    w = (2 + n) * n
+    copies = 64
+    mixers = [((torch.randn(w, n * D, device=device) * 0.015), torch.randn(w, device=device) * 0.5,
+               torch.rand(3, device=device) + 0.5, torch.ones(D, device=device, dtype=torch.bfloat16))
+              for _ in range(copies)]
+    kw = dict(hc_eps=1e-6, rms_eps=1e-5, norm_eps=1e-5, post_mult=MHC_POST_MULT)
+    rows = []
+    for T in t_values:
+        out = torch.randn(T, D, device=device).to(torch.bfloat16)
+        streams = torch.randn(T, n, D, device=device).to(torch.bfloat16)
+        post = torch.rand(T, n, device=device) * 2
+        comb = torch.full((T, n, n), 1.0 / n, device=device)
+        bufs = dict(new_streams=torch.empty(T, n, D, device=device, dtype=torch.bfloat16),
+                    new_post=torch.empty(T, n, device=device), new_comb=torch.empty(T, n, n, device=device),
+                    x=torch.empty(T, D, device=device, dtype=torch.bfloat16))
+        parts = {
+            "boundary": lambda mx: mhc_boundary(out, streams, post, comb, *mx, **kw, sinkhorn_iters=20, **bufs),
+            "sinkhorn-1": lambda mx: mhc_boundary(out, streams, post, comb, *mx, **kw, sinkhorn_iters=1, **bufs),
+            "last": lambda mx: mhc_last(out, streams, post, comb, mx[3], norm_eps=1e-5, hidden=bufs["x"]),
+            "empty": lambda mx: _empty[(1,)](out),
+        }
+        for name, fn in parts.items():
+            def run(fn=fn):
+                for mx in mixers:
+                    fn(mx)
+            us = _time(run, copies, replays)
+            rows.append(dict(case="boundary_parts", m=T, variant=name, us=us))
+            print(f"boundary parts  T={T:2d} {name:12s} {us:8.2f} us", flush=True)
+    return rows
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--m", default="1,8,64")
@@ -196,18 +255,27 @@ def main(argv=None) -> None:
     p.add_argument("--skip-linear", action="store_true")
     p.add_argument("--skip-boundary", action="store_true")
     p.add_argument("--skip-probe", action="store_true")
+    p.add_argument("--boundary-parts", action="store_true", help="time the boundary's parts at --t")
+    p.add_argument("--variants", default=None, help=f"comma-separated subset of {', '.join(VARIANTS)}")
+    p.add_argument("--cases", default=None, help=f"comma-separated subset of {', '.join(SHAPES)}")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
+    variants = None if a.variants is None else a.variants.split(",")
+    cases = None if a.cases is None else a.cases.split(",")
+    for bad in sorted(set(variants or []) - set(VARIANTS)) + sorted(set(cases or []) - set(SHAPES)):
+        p.error(f"unknown variant or case {bad!r}")
     device = torch.device("cuda")
     bw = measure_read_bandwidth(device)
     print(f"read bandwidth {bw['bytes_per_s'] / 1e12:.2f} TB/s", flush=True)
     rows = []
     if not a.skip_probe:
         rows += probe_reads(device, bw["bytes_per_s"], a.replays)
+    if a.boundary_parts:
+        rows += boundary_parts(device, [int(t) for t in a.t.split(",")], a.replays)
     if not a.skip_boundary:
         rows += sweep_boundary(device, [int(t) for t in a.t.split(",")], a.replays)
     if not a.skip_linear:
-        rows += sweep_linear(device, [int(m) for m in a.m.split(",")], bw["bytes_per_s"], a.replays)
+        rows += sweep_linear(device, [int(m) for m in a.m.split(",")], bw["bytes_per_s"], a.replays, variants, cases)
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(device), "bandwidth": bw, "rows": rows}, f, indent=1)

@@ -22,8 +22,9 @@ import triton.language as tl
 
 @triton.jit
 def _unit4(a0, a1, a2, a3, eps):
-    s = (a0 + a1) + (a2 + a3) + eps
-    return a0 / s, a1 / s, a2 / s, a3 / s
+    # One reciprocal per row instead of four divisions (each a multi-instruction sequence on the GPU).
+    r = 1.0 / ((a0 + a1) + (a2 + a3) + eps)
+    return a0 * r, a1 * r, a2 * r, a3 * r
 
 
 @triton.jit
@@ -86,6 +87,16 @@ def _mhc_finish(
     W: tl.constexpr = ROWS * N
     SSQ: tl.constexpr = (2 + N) * N
     dtype = x_ptr.dtype.element_ty
+    jn = tl.arange(0, N)
+    if FIN >= D:
+        # A row fits one tile: issue its loads (the norm weight; the new streams, which the acquired
+        # tickets made visible) before the reductions and Sinkhorn below, which then cover their latency.
+        d_row = tl.arange(0, FIN)
+        w_row = tl.load(w_ptr + d_row, mask=d_row < D, other=0.0).to(tl.float32)
+        if MODE != 2:
+            streams_row = tl.load(
+                new_streams_ptr + (tok[:, None, None] * N + jn[None, :, None]) * D + d_row[None, None, :],
+                mask=tmask[:, None, None] & (d_row < D)[None, None, :], other=0.0, cache_modifier=".cg")
     # Sum the per-chunk partials of the token block ([BT, NCB, W] tiles, bypassing L1).
     cb = tl.arange(0, NCB)
     tot = tl.zeros((BT, W), tl.float32)
@@ -116,7 +127,6 @@ def _mhc_finish(
         e = tl.exp(z - tl.max(z, axis=2)[:, :, None])
         cm = tl.where(is_comb, e / tl.sum(e, axis=2)[:, :, None] + hc_eps, 0.0)
         cm = cm / (tl.sum(cm, axis=1)[:, None, :] + hc_eps)
-        jn = tl.arange(0, N)
         tl.store(new_post_ptr + tok[:, None] * N + jn[None, :], post, mask=tmask[:, None])
         if SK4 and N == 4:  # registers on the GPU; the interpreter prefers few vector operations
             _sinkhorn4(tl.reshape(cm, (BT, W)), tok, tmask, kk, new_comb_ptr, hc_eps, ITERS)
@@ -127,39 +137,44 @@ def _mhc_finish(
             tl.store(new_comb_ptr + tok[:, None, None] * (N * N) + (a - 2) * N + b, cm,
                      mask=tmask[:, None, None] & is_comb)
         # Collapse sum_j pre[j] * streams[j] (cast to the model dtype) and its sum of squares.
-        xsq = tl.zeros((BT, FIN), tl.float32)
-        for f in tl.static_range(0, D, FIN):
-            d = f + tl.arange(0, FIN)
-            m = tmask[:, None] & (d < D)[None, :]
-            col = tl.zeros((BT, FIN), tl.float32)
-            for j in tl.static_range(N):
-                pj = tl.sum(tl.where(jn[None, :] == j, pre, 0.0), axis=1)
-                sp = new_streams_ptr + (tok[:, None] * N + j) * D + d[None, :]
-                col += pj[:, None] * tl.load(sp, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
-            col = col.to(dtype).to(tl.float32)
-            if FIN < D:
+        if FIN >= D:
+            col = tl.sum(pre[:, :, None] * streams_row.to(tl.float32), axis=1).to(dtype).to(tl.float32)
+            r = tl.rsqrt(tl.sum(col * col, axis=1) / D + norm_eps)
+        else:
+            xsq = tl.zeros((BT, FIN), tl.float32)
+            for f in tl.static_range(0, D, FIN):
+                d = f + tl.arange(0, FIN)
+                m = tmask[:, None] & (d < D)[None, :]
+                col = tl.zeros((BT, FIN), tl.float32)
+                for j in tl.static_range(N):
+                    pj = tl.sum(tl.where(jn[None, :] == j, pre, 0.0), axis=1)
+                    sp = new_streams_ptr + (tok[:, None] * N + j) * D + d[None, :]
+                    col += pj[:, None] * tl.load(sp, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+                col = col.to(dtype).to(tl.float32)
                 tl.store(x_ptr + tok[:, None] * D + d[None, :], col.to(dtype), mask=m)
-            xsq += col * col
-        r = tl.rsqrt(tl.sum(xsq, axis=1) / D + norm_eps)
+                xsq += col * col
+            r = tl.rsqrt(tl.sum(xsq, axis=1) / D + norm_eps)
     if MODE != 2 and FIN >= D:
         # The whole row is in registers: normalise it there.
-        d = tl.arange(0, FIN)
-        _norm_store(x_ptr + tok[:, None] * D + d[None, :], col, r, w_ptr, d, tmask[:, None] & (d < D)[None, :], D)
+        _norm_store(x_ptr + tok[:, None] * D + d_row[None, :], col, r, w_row, tmask[:, None] & (d_row < D)[None, :])
     else:
         tl.debug_barrier()
         for f in tl.static_range(0, D, FIN):
             d = f + tl.arange(0, FIN)
             m = tmask[:, None] & (d < D)[None, :]
             xp = x_ptr + tok[:, None] * D + d[None, :]
-            _norm_store(xp, tl.load(xp, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32), r, w_ptr, d, m, D)
+            if FIN >= D:
+                wv = w_row
+            else:
+                wv = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+            _norm_store(xp, tl.load(xp, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32), r, wv, m)
 
 
 @triton.jit
-def _norm_store(xp, xv, r, w_ptr, d, m, D: tl.constexpr):
-    """RMSNorm as the stock code rounds it: weight * cast(x * r), cast to the model dtype."""
+def _norm_store(xp, xv, r, wv, m):
+    """RMSNorm as the stock code rounds it: weight * cast(x * r) (weight `wv` in fp32), cast to the model dtype."""
     dtype = xp.dtype.element_ty
     y = (xv * r[:, None]).to(dtype).to(tl.float32)
-    wv = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
     tl.store(xp, (wv[None, :] * y).to(dtype), mask=m)
 
 

@@ -4,7 +4,8 @@ One kernel serves every entry point. A program owns a BLOCK_N slice of one proje
 output columns for all M rows (padded to BLOCK_M) and one split of the K range; it streams
 its weight tile once along K (unit stride, so loads coalesce and vectorise) and accumulates
 in fp32, either with `tl.dot` (M padded to 16, the GPU default: the weight tiles then travel
-through the multi-stage cp.async shared-memory pipeline) or with a broadcast multiply and sum
+through the multi-stage shared-memory pipeline, by cp.async or, from tensor descriptors, by TMA
+bulk copies) or with a broadcast multiply and sum
 (the "gemv" variant for a handful of rows). bf16/fp16 activations meet bf16/fp16-widened
 weights on the tensor cores; fp32 activations or fp32 weights use tf32x3 (about fp32
 accuracy), fed in small K chunks so the split operands fit in registers. On CPU (the
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 MAX_PROJECTIONS = 6
 COUNTER_SLOTS = 1 << 14
@@ -48,6 +50,14 @@ class LaunchPlan:
     num_stages: int = 4
     f32_sub_k: int = 32
     """K chunk of one fp32 (tf32x3) product inside a BLOCK_K step, bounding its registers."""
+    swap: bool = False
+    """Multiply with the operands swapped, out.T = W @ x.T: the weight tile is the dot's left operand
+    (BLOCK_N rows, so Hopper's 64-row wgmma can take it from registers after widening) and the few
+    activation rows its narrow right operand."""
+    tma: bool = False
+    """Load the (FP8) weight tiles with the tensor-memory accelerator (Hopper's bulk tensor copy, from
+    a host-built descriptor per weight) instead of per-thread loads; out-of-range rows and columns
+    arrive as zeros."""
     half: bool = False
     """FP8 weights meet 16-bit activations in fp16 products (e4m3 widens to fp16 in one instruction per
     pair; bf16 activations convert exactly for 2^-14 <= |x| < 65504, and below that lose bits only where
@@ -56,15 +66,21 @@ class LaunchPlan:
 
 
 @triton.jit
-def _mma(xt, wt, F32: tl.constexpr, USE_DOT: tl.constexpr):
-    """[BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] in fp32 accumulation."""
+def _mma(xt, wt, F32: tl.constexpr, USE_DOT: tl.constexpr, SWAP: tl.constexpr):
+    """[BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] in fp32 accumulation; with SWAP wt is [BLOCK_N, BLOCK_K]
+    and the product [BLOCK_N, BLOCK_M] = wt @ xt.T."""
     if F32:
         a = xt.to(tl.float32)
         b = wt.to(tl.float32)
     else:
         a = xt
         b = wt.to(xt.dtype)  # exact for FP8 values; bf16 weights unchanged
-    if USE_DOT:
+    if SWAP:
+        if F32:
+            r = tl.dot(b, tl.trans(a), input_precision="tf32x3")
+        else:
+            r = tl.dot(b, tl.trans(a))
+    elif USE_DOT:
         if F32:
             r = tl.dot(a, b, input_precision="tf32x3")  # ~fp32 accuracy on tensor cores
         else:
@@ -75,21 +91,38 @@ def _mma(xt, wt, F32: tl.constexpr, USE_DOT: tl.constexpr):
 
 
 @triton.jit
-def _chunk(x_ptrs, w_ptr, w2_ptr, w_offs, kk, row_ok, col_ok, K, k0, s_ptr, s2_ptr, s_row, F32: tl.constexpr,
-           TWO: tl.constexpr, USE_DOT: tl.constexpr, IS_FP8: tl.constexpr, HALF: tl.constexpr):
+def _weight_tile(w_ptr, w_offs, w_ok, n0, k0, SWAP: tl.constexpr, TMA: tl.constexpr):
+    """The weight tile of the chunk at k0: [SUB, BLOCK_N], or [BLOCK_N, SUB] with SWAP."""
+    if TMA:
+        wt = w_ptr.load([n0, k0])  # [BLOCK_N, SUB] through a tensor descriptor
+        if not SWAP:
+            wt = tl.trans(wt)
+    else:
+        wt = tl.load(w_ptr + w_offs + k0, mask=w_ok, other=0.0)
+    return wt
+
+
+@triton.jit
+def _chunk(x_ptrs, w_ptr, w2_ptr, w_offs, kk, row_ok, col_ok, K, n0, k0, s_ptr, s2_ptr, s_row, F32: tl.constexpr,
+           TWO: tl.constexpr, USE_DOT: tl.constexpr, IS_FP8: tl.constexpr, HALF: tl.constexpr,
+           SWAP: tl.constexpr, TMA: tl.constexpr):
     """The products of the K chunk starting at k0 with W (and W2 when TWO; else W again, unused),
-    each times its 128x128 block scale when IS_FP8 (a chunk never spans two scale blocks)."""
+    each times its 128x128 block scale when IS_FP8 (a chunk never spans two scale blocks). With TMA
+    w_ptr and w2_ptr are tensor descriptors of [BLOCK_N, SUB] blocks."""
     k_ok = (k0 + kk) < K
     xt = tl.load(x_ptrs + k0, mask=row_ok & k_ok[None, :], other=0.0)
     if HALF and IS_FP8:
         xt = xt.to(tl.float16)  # the weights then widen to fp16 in _mma (F32 is then false)
-    w_ok = k_ok[:, None] & col_ok
-    part = _mma(xt, tl.load(w_ptr + w_offs + k0, mask=w_ok, other=0.0), F32, USE_DOT)
+    if SWAP:
+        w_ok = col_ok & k_ok[None, :]
+    else:
+        w_ok = k_ok[:, None] & col_ok
+    part = _mma(xt, _weight_tile(w_ptr, w_offs, w_ok, n0, k0, SWAP, TMA), F32, USE_DOT, SWAP)
     if IS_FP8:
         part = part * tl.load(s_ptr + s_row + k0 // 128)
     part2 = part
     if TWO:
-        part2 = _mma(xt, tl.load(w2_ptr + w_offs + k0, mask=w_ok, other=0.0), F32, USE_DOT)
+        part2 = _mma(xt, _weight_tile(w2_ptr, w_offs, w_ok, n0, k0, SWAP, TMA), F32, USE_DOT, SWAP)
         if IS_FP8:
             part2 = part2 * tl.load(s2_ptr + s_row + k0 // 128)
     return part, part2
@@ -99,8 +132,9 @@ def _chunk(x_ptrs, w_ptr, w2_ptr, w_offs, kk, row_ok, col_ok, K, k0, s_ptr, s2_p
 def _accumulate(x_ptr, stride_xm, M, K, w_ptr, s_ptr, w2_ptr, s2_ptr, s_stride, n0, N, it0, n_it,
                 IS_FP8: tl.constexpr, F32: tl.constexpr, TWO: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, F32_SUB: tl.constexpr,
-                HALF: tl.constexpr):
-    """x[:, K range] @ W[n0:n0+BLOCK_N, K range].T (and the same with W2 when TWO), in fp32."""
+                HALF: tl.constexpr, SWAP: tl.constexpr, TMA: tl.constexpr):
+    """x[:, K range] @ W[n0:n0+BLOCK_N, K range].T (and the same with W2 when TWO), in fp32 (accumulated
+    transposed with SWAP, returned [BLOCK_M, BLOCK_N] either way)."""
     # fp32 products (tf32x3) hold 3 operand copies in registers: feed them F32_SUB K at a time;
     # an FP8 chunk stays within one 128-wide scale block. fp16 products (HALF, FP8 weights) take
     # precedence over F32, which the interpreter sets for every projection of 16-bit activations.
@@ -112,20 +146,30 @@ def _accumulate(x_ptr, stride_xm, M, K, w_ptr, s_ptr, w2_ptr, s2_ptr, s_stride, 
     kk = tl.arange(0, SUB)
     x_ptrs = x_ptr + rows[:, None] * stride_xm + kk[None, :]
     row_ok = rows[:, None] < M
-    w_offs = cols[None, :] * K + kk[:, None]  # [SUB, BLOCK_N] view of the row-major W[n, k]
-    col_ok = cols[None, :] < N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP:
+        w_offs = cols[:, None] * K + kk[None, :]  # [BLOCK_N, SUB] tile of the row-major W[n, k]
+        col_ok = cols[:, None] < N
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        w_offs = cols[None, :] * K + kk[:, None]  # [SUB, BLOCK_N] view of the row-major W[n, k]
+        col_ok = cols[None, :] < N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     s_row = (n0 // 128) * s_stride
     for i in range(n_it):
         k0 = (it0 + i) * BLOCK_K
         for c in tl.static_range(0, BLOCK_K, SUB):
-            part, part2 = _chunk(x_ptrs, w_ptr, w2_ptr, w_offs, kk, row_ok, col_ok, K, k0 + c, s_ptr, s2_ptr, s_row,
-                                 PROD32, TWO, USE_DOT, IS_FP8, HALF)
+            part, part2 = _chunk(x_ptrs, w_ptr, w2_ptr, w_offs, kk, row_ok, col_ok, K, n0, k0 + c, s_ptr, s2_ptr,
+                                 s_row, PROD32, TWO, USE_DOT, IS_FP8, HALF, SWAP, TMA)
             acc += part
             if TWO:
                 acc2 += part2
-    return acc, acc2
+    if SWAP:
+        out, out2 = tl.trans(acc), tl.trans(acc2)
+    else:
+        out, out2 = acc, acc2
+    return out, out2
 
 
 @triton.jit
@@ -148,13 +192,13 @@ def _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, local, pid_k, 
              num_tiles, limit, s_stride, w_ptr, s_ptr, w2_ptr, s2_ptr, o_ptr, stride_om, N,
              IS_FP8: tl.constexpr, F32: tl.constexpr, TWO: tl.constexpr, SPLIT: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
-             F32_SUB: tl.constexpr, HALF: tl.constexpr):
+             F32_SUB: tl.constexpr, HALF: tl.constexpr, SWAP: tl.constexpr, TMA: tl.constexpr):
     """One program's share of one projection: tile `local` of it, K split `pid_k`."""
     n0 = local * BLOCK_N
     it0 = pid_k * ITERS
     n_it = tl.minimum(ITERS, K_ITERS - it0)
     acc, acc2 = _accumulate(x_ptr, stride_xm, M, K, w_ptr, s_ptr, w2_ptr, s2_ptr, s_stride, n0, N, it0,
-                            n_it, IS_FP8, F32, TWO, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, HALF)
+                            n_it, IS_FP8, F32, TWO, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, HALF, SWAP, TMA)
     if HALF and IS_FP8:
         # An activation beyond fp16's range (|x| >= 65504) makes this program's products non-finite
         # (inf, or NaN against a zero weight): it then redoes its share in bf16 products (fp32 in the
@@ -164,7 +208,8 @@ def _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, local, pid_k, 
             ok = ok & (tl.abs(acc2) < 3.0e38)
         if tl.min(ok.to(tl.int32)) == 0:
             acc, acc2 = _accumulate(x_ptr, stride_xm, M, K, w_ptr, s_ptr, w2_ptr, s2_ptr, s_stride, n0, N, it0,
-                                    n_it, IS_FP8, F32, TWO, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, False)
+                                    n_it, IS_FP8, F32, TWO, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, False,
+                                    SWAP, TMA)
     if SPLIT:
         TILE: tl.constexpr = BLOCK_M * BLOCK_N
         PARTS: tl.constexpr = 2 if TWO else 1
@@ -202,41 +247,43 @@ def skinny_kernel(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, ws_ptr, cnt_ptr
                   w5, s5, o5, so5, N5,
                   NUM: tl.constexpr, FP8_MASK: tl.constexpr, F32_MASK: tl.constexpr, TWO: tl.constexpr,
                   SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  USE_DOT: tl.constexpr, F32_SUB: tl.constexpr, HALF: tl.constexpr):
+                  USE_DOT: tl.constexpr, F32_SUB: tl.constexpr, HALF: tl.constexpr, SWAP: tl.constexpr,
+                  TMA: tl.constexpr):
     """Grid (num_tiles, split). Projection p owns tiles [T_p, T_{p+1}) (T_0 = 0, T_NUM = num_tiles);
     bit p of FP8_MASK / F32_MASK says whether its weight is FP8 / whether it multiplies in fp32.
-    With TWO (one projection only) projection 0 is the gate and up_w/up_s the up weight."""
+    With TWO (one projection only) projection 0 is the gate and up_w/up_s the up weight. With TMA every
+    weight (w_p, up_w) is a tensor descriptor."""
     tile = tl.program_id(0)
     pid_k = tl.program_id(1)
     if tile < T1:
         _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile, pid_k, ws_ptr, cnt_ptr, num_tiles,
                  limit, s_stride, w0, s0, up_w, up_s, o0, so0, N0, FP8_MASK & 1, F32_MASK & 1, TWO, SPLIT,
-                 BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, HALF)
+                 BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, HALF, SWAP, TMA)
     if NUM > 1:
         if (tile >= T1) & (tile < T2):
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T1, pid_k, ws_ptr, cnt_ptr,
                      num_tiles, limit, s_stride, w1, s1, w1, s1, o1, so1, N1, (FP8_MASK >> 1) & 1,
-                     (F32_MASK >> 1) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, HALF)
+                     (F32_MASK >> 1) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, HALF, SWAP, TMA)
     if NUM > 2:
         if (tile >= T2) & (tile < T3):
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T2, pid_k, ws_ptr, cnt_ptr,
                      num_tiles, limit, s_stride, w2, s2, w2, s2, o2, so2, N2, (FP8_MASK >> 2) & 1,
-                     (F32_MASK >> 2) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, HALF)
+                     (F32_MASK >> 2) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, HALF, SWAP, TMA)
     if NUM > 3:
         if (tile >= T3) & (tile < T4):
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T3, pid_k, ws_ptr, cnt_ptr,
                      num_tiles, limit, s_stride, w3, s3, w3, s3, o3, so3, N3, (FP8_MASK >> 3) & 1,
-                     (F32_MASK >> 3) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, HALF)
+                     (F32_MASK >> 3) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, HALF, SWAP, TMA)
     if NUM > 4:
         if (tile >= T4) & (tile < T5):
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T4, pid_k, ws_ptr, cnt_ptr,
                      num_tiles, limit, s_stride, w4, s4, w4, s4, o4, so4, N4, (FP8_MASK >> 4) & 1,
-                     (F32_MASK >> 4) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, HALF)
+                     (F32_MASK >> 4) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, HALF, SWAP, TMA)
     if NUM > 5:
         if tile >= T5:
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T5, pid_k, ws_ptr, cnt_ptr,
                      num_tiles, limit, s_stride, w5, s5, w5, s5, o5, so5, N5, (FP8_MASK >> 5) & 1,
-                     (F32_MASK >> 5) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, HALF)
+                     (F32_MASK >> 5) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, HALF, SWAP, TMA)
 
 
 def tile_counters(device: torch.device) -> torch.Tensor:
@@ -249,6 +296,19 @@ def tile_counters(device: torch.device) -> torch.Tensor:
                                "its tile counters are allocated on first use")
         buf = _counters[key] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
     return buf
+
+
+def weight_dtype(w) -> torch.dtype:
+    return w.base.dtype if isinstance(w, TensorDescriptor) else w.dtype
+
+
+def tma_ready(weights: list[torch.Tensor], x_dtype: torch.dtype, block_k: int) -> bool:
+    """Whether the weight tiles can come through tensor descriptors: FP8 weights (one 128-byte row per
+    tile row at BLOCK_K 128), 16-bit activations (so a chunk is the whole BLOCK_K step), 16-byte
+    aligned rows and bases."""
+    return (x_dtype in (torch.bfloat16, torch.float16) and block_k <= 128
+            and all(w.dtype == torch.float8_e4m3fn and w.shape[1] % 16 == 0 and w.data_ptr() % 16 == 0
+                    for w in weights))
 
 
 def launch(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor | None],
@@ -276,6 +336,11 @@ def launch(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tens
     else:
         ws = cnt = x
     on_cpu = x.device.type == "cpu"  # the interpreter multiplies bf16 wrongly: widen everything there
+    tma = plan.tma and tma_ready(weights + ([] if up is None else [up[0]]), x.dtype, bk)
+    if tma:  # the descriptors replace the weight pointers (built per call: a CUDA graph keeps their bytes)
+        weights = [TensorDescriptor.from_tensor(w, [bn, bk]) for w in weights]
+        if up is not None:
+            up = (TensorDescriptor.from_tensor(up[0], [bn, bk]), up[1])
     fp8_mask = f32_mask = 0
     s_stride = 1
     per_proj = []
@@ -285,16 +350,16 @@ def launch(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tens
             if s is not None:
                 fp8_mask |= 1 << p
                 s_stride = s.stride(0)
-            if on_cpu or x.dtype == torch.float32 or (s is None and w.dtype != x.dtype):
+            if on_cpu or x.dtype == torch.float32 or (s is None and weight_dtype(w) != x.dtype):
                 f32_mask |= 1 << p
-            per_proj += [w, w if s is None else s, o, o.stride(0), w.shape[0]]
+            per_proj += [w, o if s is None else s, o, o.stride(0), o.shape[1]]
         else:
             per_proj += [x, x, x, 0, 0]
         if p < MAX_PROJECTIONS - 1:
             per_proj.append(bounds[p] if p < len(weights) else total)
-    up_w, up_s = (x, x) if up is None else (up[0], up[0] if up[1] is None else up[1])
+    up_w, up_s = (x, x) if up is None else (up[0], x if up[1] is None else up[1])
     skinny_kernel[(total, split)](
         x, x.stride(0), M, K, k_iters, iters, split, ws, cnt, total, float(limit), s_stride, up_w, up_s, *per_proj,
         NUM=len(weights), FP8_MASK=fp8_mask, F32_MASK=f32_mask, TWO=up is not None, SPLIT=split > 1,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_DOT=plan.use_dot, F32_SUB=min(plan.f32_sub_k, bk), HALF=plan.half,
-        num_warps=plan.num_warps, num_stages=plan.num_stages)
+        SWAP=plan.swap, TMA=tma, num_warps=plan.num_warps, num_stages=plan.num_stages)
