@@ -98,6 +98,30 @@ def test_linear_variants(variant, kind):
             assert rel_err(y, linear_reference(x, w, s)) <= tol(dtype)
 
 
+def test_no_read_past_the_scales():
+    """K = 300 in 256-wide steps: the last step's second 128-chunk lies wholly past K and past the
+    last scale block. NaNs stored right after the scales (and after the weights) must not reach the
+    output, plain, gated and split."""
+    g = torch.Generator().manual_seed(14)
+
+    def fenced(t: torch.Tensor) -> torch.Tensor:
+        buf = torch.full((t.numel() + 64,), float("nan"), dtype=t.dtype)
+        buf[: t.numel()] = t.flatten()
+        return buf[: t.numel()].view(t.shape)
+
+    w, s = make_weight("fp8", 130, 300, g)
+    w2, s2 = make_weight("fp8", 130, 300, g)
+    s, s2 = fenced(s), fenced(s2)
+    for m in (1, 5):
+        x = torch.randn(m, 300, generator=g).to(torch.bfloat16)
+        for split_k in (1, 2):
+            y = skinny_linear(x, w, s, out=nan_out(m, 130, torch.bfloat16), split_k=split_k, block_k=256)
+            assert rel_err(y, linear_reference(x, w, s)) <= 1e-2
+            z = gate_up_swiglu(x, w, s, w2, s2, 7.0, out=nan_out(m, 130, torch.bfloat16), split_k=split_k,
+                               block_k=256, block_n=128)
+            assert rel_err(z, gate_up_swiglu_reference(x, w, s, w2, s2, 7.0)) <= 1e-2
+
+
 @pytest.mark.parametrize("name", list(CANDIDATES))
 def test_every_candidate_runs(name):
     g = torch.Generator().manual_seed(5)

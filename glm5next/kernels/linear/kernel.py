@@ -118,13 +118,16 @@ def _chunk(x_ptrs, w_ptr, w2_ptr, w_offs, kk, row_ok, col_ok, K, n0, k0, s_ptr, 
     else:
         w_ok = k_ok[:, None] & col_ok
     part = _mma(xt, _weight_tile(w_ptr, w_offs, w_ok, n0, k0, SWAP, TMA), F32, USE_DOT, SWAP)
+    # A chunk wholly past K (the second half of a 256-wide last step) has no scale block: its products
+    # are zeros, and the masked load keeps whatever lies past the scales (a NaN, say) out of them.
+    s_ok = k0 < K
     if IS_FP8:
-        part = part * tl.load(s_ptr + s_row + k0 // 128)
+        part = part * tl.load(s_ptr + s_row + k0 // 128, mask=s_ok, other=0.0)
     part2 = part
     if TWO:
         part2 = _mma(xt, _weight_tile(w2_ptr, w_offs, w_ok, n0, k0, SWAP, TMA), F32, USE_DOT, SWAP)
         if IS_FP8:
-            part2 = part2 * tl.load(s2_ptr + s_row + k0 // 128)
+            part2 = part2 * tl.load(s2_ptr + s_row + k0 // 128, mask=s_ok, other=0.0)
     return part, part2
 
 
