@@ -3,7 +3,7 @@
 #
 #   OUT=DIR bench/gpu_run.sh STEP [STEP ...]
 #
-# STEP: tests | tune:SIZES (e.g. tune:1,2,4,8) | specialized | speculative | sweep[:M,M,...]
+# STEP: tests[:kernels|specialized|graph] | tune:SIZES (e.g. tune:1,2,4,8) | specialized | speculative | sweep[:M,M,...]
 # (SWEEP_ARGS adds options to the sweep, e.g. "--skip-probe --variants heuristic,swap").
 # Each step writes its log (and JSON) under $OUT and gets its own time limit, so one slow step
 # leaves the others' results. Triton's compiled kernels go to $TRITON_CACHE_DIR (default
@@ -27,9 +27,21 @@ run() {  # run NAME LIMIT_S CMD...
 
 for step in "$@"; do
     case $step in
-        tests)
-            run gpu-tests 480 python -m pytest -v -rP -p no:cacheprovider -o faulthandler_timeout=240 \
-                --durations=15 tests/gpu ;;
+        tests | tests:*)
+            # tests:kernels, tests:specialized, tests:graph run one file each (the whole suite takes
+            # over 7 minutes on a fresh machine, mostly compiling).
+            part=${step#tests}
+            part=${part#:}
+            files=tests/gpu
+            case $part in
+                "") ;;
+                kernels) files="tests/gpu/test_kernels_boundary.py tests/gpu/test_kernels_linear.py" ;;
+                specialized) files=tests/gpu/test_specialized.py ;;
+                graph) files=tests/gpu/test_graph_decode.py ;;
+                *) echo "unknown test part: $part (kernels, specialized, graph)" >&2; exit 2 ;;
+            esac
+            run "gpu-tests${part:+-$part}" 480 python -m pytest -v -rP -p no:cacheprovider \
+                -o faulthandler_timeout=240 --durations=15 $files ;;
         tune:*)
             sizes=${step#tune:}
             run "tune-${sizes//,/-}" 420 python -m glm5next.cli tune-policy --sizes "$sizes" \
@@ -45,7 +57,7 @@ for step in "$@"; do
             run sweep 420 python -m glm5next.bench.sweep --skip-boundary --m "${m:-1,8,16,32,64}" \
                 --out "$OUT/sweep.json" ${SWEEP_ARGS:-} ;;
         *)
-            echo "unknown step: $step (tests, tune:SIZES, specialized, speculative, sweep[:M,...])" >&2
+            echo "unknown step: $step (tests[:PART], tune:SIZES, specialized, speculative, sweep[:M,...])" >&2
             exit 2 ;;
     esac
 done
