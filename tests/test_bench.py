@@ -331,3 +331,25 @@ def test_cli_speculative_small(tmp_path):
     assert result["throughput"][0]["stock_tokens_per_s"] > 0 and "specialized_tokens_per_s" not in result["throughput"][0]
 
     assert_plots(out, tmp_path / "spec.png")
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["loads", "descriptors"])
+@pytest.mark.parametrize("widen", [False, True], ids=["bytes", "widened"])
+def test_read_probe_sums_its_tiles(tma, widen):
+    """The sweep's read probe (interpreter): each program's sum of its [BN, K range] share of the
+    weight, as raw bytes or as widened e4m3 values, through thread loads or tensor descriptors."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from glm5next.bench.sweep import _read_probe
+
+    n, k, bn, bk, split = 64, 512, 32, 128, 2
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(n, k, generator=g) * 8).to(torch.float8_e4m3fn)
+    src = w if widen else w.view(torch.uint8)
+    vals = w.float() if widen else w.view(torch.uint8).double()
+    want = vals.view(n // bn, bn, split, k // split).sum((1, 3)).flatten().float()
+    if tma:
+        src = TensorDescriptor.from_tensor(src, [bn, bk])
+    out = torch.full((n // bn * split,), float("nan"))
+    _read_probe[(n // bn, split)](src, out, k, k // bk // split, split, BN=bn, BK=bk, WIDEN=widen, TMA=tma, STAGES=2)
+    assert torch.allclose(out, want, rtol=1e-5)

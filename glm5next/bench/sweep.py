@@ -16,6 +16,7 @@ import statistics
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..checkpoint.fp8 import quantize_fp8_blocks
 from ..config import MHC_POST_MULT
@@ -122,18 +123,23 @@ def sweep_linear(device, m_values, bandwidth: float, replays: int, variants=None
 
 
 @triton.jit
-def _read_probe(w_ptr, out_ptr, K, ITERS, SPLIT, BN: tl.constexpr, BK: tl.constexpr, WIDEN: tl.constexpr):
+def _read_probe(w_ptr, out_ptr, K, ITERS, SPLIT, BN: tl.constexpr, BK: tl.constexpr, WIDEN: tl.constexpr,
+                TMA: tl.constexpr, STAGES: tl.constexpr):
     """Streams [BN, BK] tiles of an FP8 [N, K] weight over this program's K range and sums them: as
-    raw bytes (WIDEN False: the load path alone) or widened to bf16 then fp32 (the conversion too)."""
+    raw bytes (WIDEN False: the load path alone) or widened to bf16 then fp32 (the conversion too);
+    with TMA `w_ptr` is a tensor descriptor of [BN, BK] blocks (bulk copies instead of thread loads)."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rows = pid_n * BN + tl.arange(0, BN)
-    ptrs = w_ptr + rows[:, None] * K + tl.arange(0, BK)[None, :]
     if WIDEN:
         acc = tl.zeros([BN, BK], dtype=tl.float32)
     else:
         acc = tl.zeros([BN, BK], dtype=tl.int32)
-    for i in range(ITERS):
-        t = tl.load(ptrs + (pid_k * ITERS + i) * BK)
+    for i in tl.range(ITERS, num_stages=STAGES):  # a plain loop is not pipelined without a dot
+        k0 = (pid_k * ITERS + i) * BK
+        if TMA:
+            t = w_ptr.load([pid_n * BN, k0])
+        else:
+            t = tl.load(w_ptr + rows[:, None] * K + k0 + tl.arange(0, BK)[None, :])
         if WIDEN:
             acc += t.to(tl.bfloat16).to(tl.float32)
         else:
@@ -142,31 +148,35 @@ def _read_probe(w_ptr, out_ptr, K, ITERS, SPLIT, BN: tl.constexpr, BK: tl.conste
 
 
 def probe_reads(device, bandwidth: float, replays: int) -> list[dict]:
-    """The read ceiling of FP8 tiles in a Triton loop, without (bytes) and with the bf16 widening."""
+    """The read ceiling of FP8 tiles in a Triton loop, without (bytes) and with the bf16 widening, by
+    thread loads and (BK <= 128) by tensor-descriptor bulk copies."""
     rows = []
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     for n, k in ((12288, 4096), (4096, 12288), (2048, 4096)):
         copies = max(1, -(-ROTATE_BYTES // (n * k)))
         ws = [torch.randint(-100, 100, (n, k), device=device, dtype=torch.int8).view(torch.float8_e4m3fn)
               for _ in range(copies)]
-        for bn, bk in ((64, 128), (32, 256), (16, 512)):
+        for bn, bk in ((64, 128), (128, 128), (32, 256), (16, 512)):
             k_iters = k // bk
             split = max(1, min(k_iters, -(-2 * sms // (n // bn))))
             while k_iters % split:
                 split -= 1
             out = torch.empty(n // bn * split, device=device)
             for widen in (False, True):
-                def run(bn=bn, bk=bk, widen=widen, split=split):
-                    for w in ws:
-                        src = w if widen else w.view(torch.uint8)
-                        _read_probe[(n // bn, split)](src, out, k, k_iters // split, split, BN=bn, BK=bk,
-                                                      WIDEN=widen, num_warps=4, num_stages=4)
-                us = _time(run, len(ws), replays)
-                frac = n * k / (us * 1e-6) / bandwidth
-                rows.append(dict(case=f"probe_{n}x{k}", m=0, variant=f"bn{bn}-bk{bk}-{'widen' if widen else 'bytes'}",
-                                 us=us, bytes=n * k, bw_fraction=frac))
-                print(f"probe {n}x{k} bn={bn} bk={bk} {'widen' if widen else 'bytes'}: {us:7.1f} us "
-                      f"{100 * frac:5.1f} %", flush=True)
+                for tma in (False, True) if bk <= 128 else (False,):
+                    srcs = [w if widen else w.view(torch.uint8) for w in ws]
+                    if tma:
+                        srcs = [TensorDescriptor.from_tensor(w, [bn, bk]) for w in srcs]
+
+                    def run(bn=bn, bk=bk, widen=widen, split=split, tma=tma, srcs=srcs):
+                        for src in srcs:
+                            _read_probe[(n // bn, split)](src, out, k, k_iters // split, split, BN=bn, BK=bk,
+                                                          WIDEN=widen, TMA=tma, STAGES=4, num_warps=4)
+                    us = _time(run, len(ws), replays)
+                    frac = n * k / (us * 1e-6) / bandwidth
+                    name = f"bn{bn}-bk{bk}-{'widen' if widen else 'bytes'}{'-tma' if tma else ''}"
+                    rows.append(dict(case=f"probe_{n}x{k}", m=0, variant=name, us=us, bytes=n * k, bw_fraction=frac))
+                    print(f"probe {n}x{k} {name}: {us:7.1f} us {100 * frac:5.1f} %", flush=True)
     return rows
 
 
