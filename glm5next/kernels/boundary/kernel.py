@@ -22,7 +22,7 @@ import triton.language as tl
 
 @triton.jit
 def _unit4(a0, a1, a2, a3, eps):
-    # One reciprocal per row instead of four divisions (each a multi-instruction sequence on the GPU).
+    # One reciprocal per row, then four products (instead of four divisions).
     r = 1.0 / ((a0 + a1) + (a2 + a3) + eps)
     return a0 * r, a1 * r, a2 * r, a3 * r
 

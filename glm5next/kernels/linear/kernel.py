@@ -301,17 +301,10 @@ def tile_counters(device: torch.device) -> torch.Tensor:
     return buf
 
 
-def weight_dtype(w) -> torch.dtype:
-    return w.base.dtype if isinstance(w, TensorDescriptor) else w.dtype
-
-
-def tma_ready(weights: list[torch.Tensor], x_dtype: torch.dtype, block_k: int) -> bool:
-    """Whether the weight tiles can come through tensor descriptors: FP8 weights (one 128-byte row per
-    tile row at BLOCK_K 128), 16-bit activations (so a chunk is the whole BLOCK_K step), 16-byte
-    aligned rows and bases."""
-    return (x_dtype in (torch.bfloat16, torch.float16) and block_k <= 128
-            and all(w.dtype == torch.float8_e4m3fn and w.shape[1] % 16 == 0 and w.data_ptr() % 16 == 0
-                    for w in weights))
+def _tma_aligned(weights: list[torch.Tensor]) -> bool:
+    """What a plan's `tma` cannot know from shapes alone: tensor descriptors need 16-byte aligned
+    bases and rows (the plan already holds every weight FP8, the activations 16-bit, BLOCK_K <= 128)."""
+    return all(w.shape[1] * w.element_size() % 16 == 0 and w.data_ptr() % 16 == 0 for w in weights)
 
 
 def launch(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor | None],
@@ -339,11 +332,11 @@ def launch(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tens
     else:
         ws = cnt = x
     on_cpu = x.device.type == "cpu"  # the interpreter multiplies bf16 wrongly: widen everything there
-    tma = plan.tma and tma_ready(weights + ([] if up is None else [up[0]]), x.dtype, bk)
-    if tma:  # the descriptors replace the weight pointers (built per call: a CUDA graph keeps their bytes)
-        weights = [TensorDescriptor.from_tensor(w, [bn, bk]) for w in weights]
-        if up is not None:
-            up = (TensorDescriptor.from_tensor(up[0], [bn, bk]), up[1])
+    tma = plan.tma and _tma_aligned(weights + ([] if up is None else [up[0]]))
+
+    def operand(w: torch.Tensor):  # with TMA a descriptor (built per call: a CUDA graph keeps its bytes)
+        return TensorDescriptor.from_tensor(w, [bn, bk]) if tma else w
+
     fp8_mask = f32_mask = 0
     s_stride = 1
     per_proj = []
@@ -353,14 +346,14 @@ def launch(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tens
             if s is not None:
                 fp8_mask |= 1 << p
                 s_stride = s.stride(0)
-            if on_cpu or x.dtype == torch.float32 or (s is None and weight_dtype(w) != x.dtype):
+            if on_cpu or x.dtype == torch.float32 or (s is None and w.dtype != x.dtype):
                 f32_mask |= 1 << p
-            per_proj += [w, o if s is None else s, o, o.stride(0), o.shape[1]]
+            per_proj += [operand(w), w if s is None else s, o, o.stride(0), w.shape[0]]
         else:
             per_proj += [x, x, x, 0, 0]
         if p < MAX_PROJECTIONS - 1:
             per_proj.append(bounds[p] if p < len(weights) else total)
-    up_w, up_s = (x, x) if up is None else (up[0], x if up[1] is None else up[1])
+    up_w, up_s = (x, x) if up is None else (operand(up[0]), up[0] if up[1] is None else up[1])
     skinny_kernel[(total, split)](
         x, x.stride(0), M, K, k_iters, iters, split, ws, cnt, total, float(limit), s_stride, up_w, up_s, *per_proj,
         NUM=len(weights), FP8_MASK=fp8_mask, F32_MASK=f32_mask, TWO=up is not None, SPLIT=split > 1,
