@@ -100,8 +100,8 @@ def test_linear_variants(variant, kind):
 
 def test_no_read_past_the_scales():
     """K = 300 in 256-wide steps: the last step's second 128-chunk lies wholly past K and past the
-    last scale block. NaNs stored right after the scales (and after the weights) must not reach the
-    output, plain, gated and split."""
+    last scale block. NaNs stored right after the scales must not reach the output, plain, gated and
+    split."""
     g = torch.Generator().manual_seed(14)
 
     def fenced(t: torch.Tensor) -> torch.Tensor:
