@@ -385,3 +385,21 @@ def test_fp32_products_in_chunks(kind, gated):
     launch(x, [w], [s], [out], plan, up=(u, us) if gated else None, limit=2.0)
     ref = gate_up_swiglu_reference(x, w, s, u, us, 2.0) if gated else linear_reference(x, w, s)
     assert rel_err(out, ref) <= 1e-4
+
+
+def test_programmatic_launch_prefetches_what_fits_in_l2():
+    """A programmatic-dependent launch prefetches every K step while its weights fit in PREFETCH_BYTES,
+    the fitting share beyond, and nothing where the bulk prefetch's 16-byte pieces do not line up."""
+    from glm5next.kernels.linear.kernel import PREFETCH_BYTES, _prefetch_iters
+
+    def w(n, k, dtype=torch.float8_e4m3fn):
+        return torch.empty(n, k, dtype=dtype, device="meta")
+
+    small = [w(2048, 4096), w(576, 4096)]
+    assert _prefetch_iters(small, 8) == 8
+    big = [w(12288, 4096), w(12288, 4096)]  # 2 x 50 MB
+    assert _prefetch_iters(big, 8) == 8 * PREFETCH_BYTES // (2 * 12288 * 4096)
+    assert 0 < _prefetch_iters(big, 8) < 8
+    assert _prefetch_iters([w(64, 4104)], 8) == 0  # rows of 4104 bytes
+    assert _prefetch_iters([w(64, 2052, torch.bfloat16)], 8) == 0
+    assert plan_launch(1, [64], 4096, 1, pdl=True).pdl and not plan_launch(1, [64], 4096, 1, pdl=False).pdl

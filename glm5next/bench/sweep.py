@@ -47,6 +47,9 @@ VARIANTS = {
     "tma-split-2x": dict(mode="tma", split_factor=2),
     "tma-split-half": dict(mode="tma", split_factor=0.5),
     "tma-bf16": dict(mode="tma", half=False),
+    "pdl": dict(pdl=True),
+    "pdl-split-half": dict(pdl=True, split_factor=0.5),
+    "pdl-split-2x": dict(pdl=True, split_factor=2),
 }
 """Keyword overrides of the skinny kernels; "heuristic" is the default launch (fp16 products for FP8
 weights at up to 16 rows, their tiles through tensor descriptors), "dot" the same with pointer loads
@@ -222,9 +225,9 @@ def _empty(x_ptr):
 
 def boundary_parts(device, t_values, replays: int) -> list[dict]:
     """Where the boundary's time goes, with the default tiling: the whole boundary, the same with one
-    Sinkhorn iteration (the other 19 are the difference), the last layer's variant (hc_post, the mean
-    and the final norm: the chunk phase without the mixer GEMV, and a finisher without Sinkhorn or
-    collapse) and an empty launch (the graph's cost per kernel)."""
+    Sinkhorn iteration (the other 19 are the difference), as a programmatic dependent launch (each copy
+    prefetching its mixer while the one before finishes), the last layer's variant (hc_post, the mean and the final norm: the chunk phase without the mixer
+    GEMV, and a finisher without Sinkhorn or collapse) and an empty launch (the graph's cost per kernel)."""
     D, n = 4096, 4
     w = (2 + n) * n
     copies = 64
@@ -242,9 +245,12 @@ def boundary_parts(device, t_values, replays: int) -> list[dict]:
                     new_post=torch.empty(T, n, device=device), new_comb=torch.empty(T, n, n, device=device),
                     x=torch.empty(T, D, device=device, dtype=torch.bfloat16))
         parts = {
-            "boundary": lambda mx: mhc_boundary(out, streams, post, comb, *mx, **kw, sinkhorn_iters=20, **bufs),
-            "sinkhorn-1": lambda mx: mhc_boundary(out, streams, post, comb, *mx, **kw, sinkhorn_iters=1, **bufs),
-            "last": lambda mx: mhc_last(out, streams, post, comb, mx[3], norm_eps=1e-5, hidden=bufs["x"]),
+            "boundary": lambda mx: mhc_boundary(out, streams, post, comb, *mx, **kw, sinkhorn_iters=20, **bufs,
+                                                pdl=False),
+            "sinkhorn-1": lambda mx: mhc_boundary(out, streams, post, comb, *mx, **kw, sinkhorn_iters=1, **bufs,
+                                                  pdl=False),
+            "pdl": lambda mx: mhc_boundary(out, streams, post, comb, *mx, **kw, sinkhorn_iters=20, **bufs, pdl=True),
+            "last": lambda mx: mhc_last(out, streams, post, comb, mx[3], norm_eps=1e-5, hidden=bufs["x"], pdl=False),
             "empty": lambda mx: _empty[(1,)](out),
         }
         for name, fn in parts.items():

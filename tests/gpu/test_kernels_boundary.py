@@ -106,3 +106,41 @@ def test_graph_replay_matches_eager(T):
         torch.cuda.synchronize()
         for a, b in zip(captured[0] + captured[1] + (captured[2],), eager[0] + eager[1] + (eager[2],)):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("T", [1, 5, 64])
+def test_programmatic_chain_in_a_graph_equals_the_plain_chain(T):
+    """first -> boundary -> boundary -> last with every launch a programmatic dependent of the one before
+    (each reads what the previous wrote, and prefetches its mixer before waiting for it), captured and
+    replayed with new inputs: every output equals the eager chain of plain launches bit for bit."""
+    g = torch.Generator().manual_seed(200 + T)
+    mixers = [_mixer(g) for _ in range(3)]
+    emb = torch.randn(T, D, generator=g).to(torch.bfloat16).cuda()
+    outs = [torch.randn(T, D, generator=g).to(torch.bfloat16).cuda() for _ in range(3)]
+
+    def chain(pdl):
+        res = [mhc_first(emb, *mixers[0], **KW, pdl=pdl)]
+        for i in (1, 2):
+            s, p, c, _ = res[-1]
+            res.append(mhc_boundary(outs[i - 1], s, p, c, *mixers[i], **KW, pdl=pdl))
+        s, p, c, _ = res[-1]
+        return [t for r in res for t in r] + [mhc_last(outs[2], s, p, c, mixers[2][3], norm_eps=KW["norm_eps"],
+                                                       pdl=pdl)]
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        chain(True)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = chain(True)
+    for _ in range(3):
+        emb.copy_(torch.randn(T, D, generator=g).to(torch.bfloat16))
+        for o in outs:
+            o.copy_(torch.randn(T, D, generator=g).to(torch.bfloat16))
+        graph.replay()
+        plain = chain(False)
+        torch.cuda.synchronize()
+        for got, want in zip(captured, plain):
+            assert torch.equal(got, want)

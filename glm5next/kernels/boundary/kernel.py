@@ -12,12 +12,18 @@ the pre weights and applies the RMSNorm, in registers when a row fits in one FIN
 
 MODE 0: boundary; MODE 1: first layer (the streams are n copies of `out`); MODE 2: last layer
 (the mean of the new streams, then the final RMSNorm: only the sum-of-squares slot is used).
+With PDL the launch is a programmatic dependent: each program prefetches its chunk of the mixer into
+L2 and then waits for the previous kernel before its first read of an activation.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from ..pdl import launch_dependents as _launch_dependents
+from ..pdl import prefetch_l2 as _prefetch_l2
+from ..pdl import wait_previous as _wait_previous
 
 
 @triton.jit
@@ -28,27 +34,14 @@ def _unit4(a0, a1, a2, a3, eps):
 
 
 @triton.jit
-def _sinkhorn4(cm, tok, tmask, kk, new_comb_ptr, hc_eps, ITERS: tl.constexpr):
-    """The remaining Sinkhorn iterations of n = 4 on per-token scalars held in registers (no
-    cross-lane reductions inside the loop), then the store of comb [T, 4, 4]. `cm` [BT, 32] holds
-    c[i, j] at slot 8 + 4i + j."""
-    c00 = tl.sum(tl.where(kk[None, :] == 8, cm, 0.0), axis=1)
-    c01 = tl.sum(tl.where(kk[None, :] == 9, cm, 0.0), axis=1)
-    c02 = tl.sum(tl.where(kk[None, :] == 10, cm, 0.0), axis=1)
-    c03 = tl.sum(tl.where(kk[None, :] == 11, cm, 0.0), axis=1)
-    c10 = tl.sum(tl.where(kk[None, :] == 12, cm, 0.0), axis=1)
-    c11 = tl.sum(tl.where(kk[None, :] == 13, cm, 0.0), axis=1)
-    c12 = tl.sum(tl.where(kk[None, :] == 14, cm, 0.0), axis=1)
-    c13 = tl.sum(tl.where(kk[None, :] == 15, cm, 0.0), axis=1)
-    c20 = tl.sum(tl.where(kk[None, :] == 16, cm, 0.0), axis=1)
-    c21 = tl.sum(tl.where(kk[None, :] == 17, cm, 0.0), axis=1)
-    c22 = tl.sum(tl.where(kk[None, :] == 18, cm, 0.0), axis=1)
-    c23 = tl.sum(tl.where(kk[None, :] == 19, cm, 0.0), axis=1)
-    c30 = tl.sum(tl.where(kk[None, :] == 20, cm, 0.0), axis=1)
-    c31 = tl.sum(tl.where(kk[None, :] == 21, cm, 0.0), axis=1)
-    c32 = tl.sum(tl.where(kk[None, :] == 22, cm, 0.0), axis=1)
-    c33 = tl.sum(tl.where(kk[None, :] == 23, cm, 0.0), axis=1)
-    for _ in range(ITERS - 1):
+def _iterate4(cs, hc_eps, ITERS: tl.constexpr):
+    """ITERS Sinkhorn iterations (row, then column normalisation) of n = 4 on per-token values held in
+    registers: `cs` is the tuple (c00, c01, ..., c33) of [BT] vectors; returns the same tuple."""
+    c00, c01, c02, c03 = cs[0], cs[1], cs[2], cs[3]
+    c10, c11, c12, c13 = cs[4], cs[5], cs[6], cs[7]
+    c20, c21, c22, c23 = cs[8], cs[9], cs[10], cs[11]
+    c30, c31, c32, c33 = cs[12], cs[13], cs[14], cs[15]
+    for _ in range(ITERS):
         c00, c01, c02, c03 = _unit4(c00, c01, c02, c03, hc_eps)
         c10, c11, c12, c13 = _unit4(c10, c11, c12, c13, hc_eps)
         c20, c21, c22, c23 = _unit4(c20, c21, c22, c23, hc_eps)
@@ -57,23 +50,28 @@ def _sinkhorn4(cm, tok, tmask, kk, new_comb_ptr, hc_eps, ITERS: tl.constexpr):
         c01, c11, c21, c31 = _unit4(c01, c11, c21, c31, hc_eps)
         c02, c12, c22, c32 = _unit4(c02, c12, c22, c32, hc_eps)
         c03, c13, c23, c33 = _unit4(c03, c13, c23, c33, hc_eps)
-    p = new_comb_ptr + tok * 16
-    tl.store(p + 0, c00, mask=tmask)
-    tl.store(p + 1, c01, mask=tmask)
-    tl.store(p + 2, c02, mask=tmask)
-    tl.store(p + 3, c03, mask=tmask)
-    tl.store(p + 4, c10, mask=tmask)
-    tl.store(p + 5, c11, mask=tmask)
-    tl.store(p + 6, c12, mask=tmask)
-    tl.store(p + 7, c13, mask=tmask)
-    tl.store(p + 8, c20, mask=tmask)
-    tl.store(p + 9, c21, mask=tmask)
-    tl.store(p + 10, c22, mask=tmask)
-    tl.store(p + 11, c23, mask=tmask)
-    tl.store(p + 12, c30, mask=tmask)
-    tl.store(p + 13, c31, mask=tmask)
-    tl.store(p + 14, c32, mask=tmask)
-    tl.store(p + 15, c33, mask=tmask)
+    return (c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33)
+
+
+@triton.jit
+def _sinkhorn4(cm, tok, tmask, kk, new_comb_ptr, hc_eps, ITERS: tl.constexpr):
+    """The remaining ITERS - 1 Sinkhorn iterations of n = 4 in registers (no cross-lane reductions
+    inside the loop), then the store of comb [T, 4, 4]. `cm` [BT, 32] holds c[i, j] at slot 8 + 4i + j."""
+    cs = ()
+    for q in tl.static_range(16):
+        cs = cs + (tl.sum(tl.where(kk[None, :] == 8 + q, cm, 0.0), axis=1),)
+    cs = _iterate4(cs, hc_eps, ITERS - 1)
+    for q in tl.static_range(16):
+        tl.store(new_comb_ptr + tok * 16 + q, cs[q], mask=tmask)
+
+
+@triton.jit
+def _comb(comb_ptr, tok, tmask, N: tl.constexpr):
+    """The tuple of comb[t, i, j] ([BT] vectors, index i * N + j) that hc_post applies."""
+    cs = ()
+    for q in tl.static_range(N * N):
+        cs = cs + (tl.load(comb_ptr + tok * (N * N) + q, mask=tmask, other=0.0),)
+    return cs
 
 
 @triton.jit
@@ -187,23 +185,44 @@ def mhc_kernel(
     T, hc_eps, rms_eps, norm_eps, post_mult,
     D: tl.constexpr, N: tl.constexpr, ROWS: tl.constexpr, MODE: tl.constexpr, ITERS: tl.constexpr,
     BT: tl.constexpr, SUB: tl.constexpr, NSUB: tl.constexpr, NC: tl.constexpr, NCB: tl.constexpr,
-    FIN: tl.constexpr, SK4: tl.constexpr,
+    FIN: tl.constexpr, SK4: tl.constexpr, PDL: tl.constexpr,
 ):
     W: tl.constexpr = ROWS * N
     SSQ: tl.constexpr = (2 + N) * N
+    CHUNK: tl.constexpr = SUB * NSUB
     dtype = x_ptr.dtype.element_ty
     c = tl.program_id(0)
     tb = tl.program_id(1)
     tok = tb * BT + tl.arange(0, BT)
     tmask = tok < T
     kk = tl.arange(0, W)
+    if PDL:
+        # Launched as a programmatic dependent: let the next kernel's programs start, pull this
+        # chunk's mixer rows (constants) into L2 while the previous kernel finishes, then wait for it.
+        _launch_dependents()
+        if MODE != 2 and D % 4 == 0:  # whole 16-byte pieces of fp32 rows
+            jj = tl.arange(0, N)
+            rows = fn_ptr + kk[:, None] * (N * D) + jj[None, :] * D + c * CHUNK
+            _prefetch_l2(rows, tl.minimum(CHUNK, D - c * CHUNK) * 4, (kk < SSQ)[:, None] & (jj < N)[None, :])
+        _wait_previous()
     acc = tl.zeros((BT, W, SUB), tl.float32)
     ssq = tl.zeros((BT, SUB), tl.float32)
     for s in tl.static_range(NSUB):
-        d = c * (SUB * NSUB) + s * SUB + tl.arange(0, SUB)
+        d = c * CHUNK + s * SUB + tl.arange(0, SUB)
         dm = d < D
         m2 = tmask[:, None] & dm[None, :]
+        # Issue all of this sub-tile's loads before any arithmetic on them.
         o = tl.load(out_ptr + tok[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+        src = ()
+        mix = ()
+        for j in tl.static_range(N):
+            if MODE != 1:
+                src = src + (tl.load(streams_ptr + (tok[:, None] * N + j) * D + d[None, :], mask=m2, other=0.0),)
+            if MODE != 2:
+                fp = fn_ptr + kk[:, None] * (N * D) + j * D + d[None, :]
+                mix = mix + (tl.load(fp, mask=(kk < SSQ)[:, None] & dm[None, :], other=0.0),)
+        if MODE != 1 and s == 0:
+            cs = _comb(comb_ptr, tok, tmask, N)
         msum = tl.zeros((BT, SUB), tl.float32)
         for j in tl.static_range(N):
             if MODE == 1:
@@ -212,18 +231,14 @@ def mhc_kernel(
                 # hc_post: post[j] * out + sum_i comb[i, j] * streams[i], cast to the model dtype.
                 v = tl.load(post_ptr + tok * N + j, mask=tmask, other=0.0)[:, None] * o
                 for i in tl.static_range(N):
-                    cij = tl.load(comb_ptr + tok * (N * N) + i * N + j, mask=tmask, other=0.0)
-                    si = tl.load(streams_ptr + (tok[:, None] * N + i) * D + d[None, :], mask=m2, other=0.0)
-                    v += cij[:, None] * si.to(tl.float32)
+                    v += cs[i * N + j][:, None] * src[i].to(tl.float32)
                 v = v.to(dtype).to(tl.float32)
             if MODE == 2:
                 msum += v
             else:
                 tl.store(new_streams_ptr + (tok[:, None] * N + j) * D + d[None, :], v.to(dtype), mask=m2)
                 ssq += v * v
-                fp = fn_ptr + kk[:, None] * (N * D) + j * D + d[None, :]
-                f = tl.load(fp, mask=(kk < SSQ)[:, None] & dm[None, :], other=0.0)
-                acc += v[:, None, :] * f[None, :, :]
+                acc += v[:, None, :] * mix[j][None, :, :]
         if MODE == 2:
             mean = (msum / N).to(dtype)
             tl.store(x_ptr + tok[:, None] * D + d[None, :], mean, mask=m2)

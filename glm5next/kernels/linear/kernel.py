@@ -31,6 +31,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .. import pdl as _pdl
+from ..pdl import launch_dependents, prefetch_l2, wait_previous
+
 MAX_PROJECTIONS = 6
 COUNTER_SLOTS = 1 << 14
 """Per-device split-K arrival counters: one per output tile of a launch (all zero between launches)."""
@@ -63,6 +66,24 @@ class LaunchPlan:
     pair; bf16 activations convert exactly for 2^-14 <= |x| < 65504, and below that lose bits only where
     their products are below fp32's accumulation error). A program whose products come out non-finite
     redoes its share in bf16 products."""
+    pdl: bool = False
+    """Launch as a programmatic dependent (`glm5next.kernels.pdl`): the programs start while the
+    previous kernel finishes and first pull the leading K steps of their weight tiles into L2 (as
+    many as keep a launch's prefetch within `PREFETCH_BYTES`), then wait for it."""
+
+
+PREFETCH_BYTES = 32 << 20
+"""Most weight bytes one launch pulls into L2 before its wait (the H200's L2 holds 60 MB)."""
+
+
+@triton.jit
+def _prefetch_tile(w_ptr, local, pid_k, N, K, ITERS, PF_ITERS, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """L2 prefetch of the first PF_ITERS K steps of a program's weight tile: one bulk copy per row."""
+    ELEM: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
+    rows = local * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = pid_k * ITERS * BLOCK_K
+    nbytes = tl.minimum(PF_ITERS * BLOCK_K, K - k0) * ELEM
+    prefetch_l2(w_ptr + rows.to(tl.int64) * K + k0, nbytes, rows < N)
 
 
 @triton.jit
@@ -248,16 +269,41 @@ def skinny_kernel(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, ws_ptr, cnt_ptr
                   w3, s3, o3, so3, N3, T4,
                   w4, s4, o4, so4, N4, T5,
                   w5, s5, o5, so5, N5,
+                  pf_iters, up_r, r0, r1, r2, r3, r4, r5,
                   NUM: tl.constexpr, FP8_MASK: tl.constexpr, F32_MASK: tl.constexpr, TWO: tl.constexpr,
                   SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   USE_DOT: tl.constexpr, F32_SUB: tl.constexpr, HALF: tl.constexpr, SWAP: tl.constexpr,
-                  TMA: tl.constexpr):
+                  TMA: tl.constexpr, PDL: tl.constexpr):
     """Grid (num_tiles, split). Projection p owns tiles [T_p, T_{p+1}) (T_0 = 0, T_NUM = num_tiles);
     bit p of FP8_MASK / F32_MASK says whether its weight is FP8 / whether it multiplies in fp32.
     With TWO (one projection only) projection 0 is the gate and up_w/up_s the up weight. With TMA every
-    weight (w_p, up_w) is a tensor descriptor."""
+    weight (w_p, up_w) is a tensor descriptor. r_p / up_r are the weights' plain pointers: with PDL the
+    first pf_iters K steps of each program's tiles go to L2 before the wait for the previous kernel."""
     tile = tl.program_id(0)
     pid_k = tl.program_id(1)
+    if PDL:
+        launch_dependents()
+        if pf_iters > 0:
+            if tile < T1:
+                _prefetch_tile(r0, tile, pid_k, N0, K, ITERS, pf_iters, BLOCK_N, BLOCK_K)
+                if TWO:
+                    _prefetch_tile(up_r, tile, pid_k, N0, K, ITERS, pf_iters, BLOCK_N, BLOCK_K)
+            if NUM > 1:
+                if (tile >= T1) & (tile < T2):
+                    _prefetch_tile(r1, tile - T1, pid_k, N1, K, ITERS, pf_iters, BLOCK_N, BLOCK_K)
+            if NUM > 2:
+                if (tile >= T2) & (tile < T3):
+                    _prefetch_tile(r2, tile - T2, pid_k, N2, K, ITERS, pf_iters, BLOCK_N, BLOCK_K)
+            if NUM > 3:
+                if (tile >= T3) & (tile < T4):
+                    _prefetch_tile(r3, tile - T3, pid_k, N3, K, ITERS, pf_iters, BLOCK_N, BLOCK_K)
+            if NUM > 4:
+                if (tile >= T4) & (tile < T5):
+                    _prefetch_tile(r4, tile - T4, pid_k, N4, K, ITERS, pf_iters, BLOCK_N, BLOCK_K)
+            if NUM > 5:
+                if tile >= T5:
+                    _prefetch_tile(r5, tile - T5, pid_k, N5, K, ITERS, pf_iters, BLOCK_N, BLOCK_K)
+        wait_previous()
     if tile < T1:
         _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile, pid_k, ws_ptr, cnt_ptr, num_tiles,
                  limit, s_stride, w0, s0, up_w, up_s, o0, so0, N0, FP8_MASK & 1, F32_MASK & 1, TWO, SPLIT,
@@ -307,6 +353,16 @@ def _tma_aligned(weights: list[torch.Tensor]) -> bool:
     return all(w.shape[1] * w.element_size() % 16 == 0 and w.data_ptr() % 16 == 0 for w in weights)
 
 
+def _prefetch_iters(weights: list[torch.Tensor], iters: int) -> int:
+    """K steps per program a programmatic-dependent launch prefetches: all of them while the launch's
+    weights fit in PREFETCH_BYTES, else that share; none where rows or bases are not 16-byte aligned
+    (the bulk prefetch moves whole 16-byte pieces)."""
+    if not all(w.shape[1] * w.element_size() % 16 == 0 and w.data_ptr() % 16 == 0 for w in weights):
+        return 0
+    total = sum(w.numel() * w.element_size() for w in weights)
+    return iters if total <= PREFETCH_BYTES else iters * PREFETCH_BYTES // total
+
+
 def launch(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor | None],
            outs: list[torch.Tensor], plan: LaunchPlan, up: tuple[torch.Tensor, torch.Tensor | None] | None = None,
            limit: float = 0.0) -> None:
@@ -354,8 +410,14 @@ def launch(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tens
         if p < MAX_PROJECTIONS - 1:
             per_proj.append(bounds[p] if p < len(weights) else total)
     up_w, up_s = (x, x) if up is None else (operand(up[0]), up[0] if up[1] is None else up[1])
+    every = weights + ([] if up is None else [up[0]])
+    pdl = plan.pdl and _pdl.enabled(x.device)
+    pf_iters = _prefetch_iters(every, iters) if pdl else 0
+    raw = [x if up is None else up[0]] + [weights[p] if p < len(weights) else x for p in range(MAX_PROJECTIONS)]
     skinny_kernel[(total, split)](
         x, x.stride(0), M, K, k_iters, iters, split, ws, cnt, total, float(limit), s_stride, up_w, up_s, *per_proj,
+        pf_iters, *raw,
         NUM=len(weights), FP8_MASK=fp8_mask, F32_MASK=f32_mask, TWO=up is not None, SPLIT=split > 1,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_DOT=plan.use_dot, F32_SUB=min(plan.f32_sub_k, bk), HALF=plan.half,
-        SWAP=plan.swap, TMA=tma, num_warps=plan.num_warps, num_stages=plan.num_stages)
+        SWAP=plan.swap, TMA=tma, PDL=pdl, num_warps=plan.num_warps, num_stages=plan.num_stages,
+        **({"launch_pdl": True} if pdl else {}))
