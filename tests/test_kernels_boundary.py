@@ -206,3 +206,14 @@ def test_rows_wider_than_one_finisher_tile():
     hidden = fused.mhc_last(out, streams, post, comb, norm_w, norm_eps=NORM_EPS, block_t=2,
                             hidden=torch.full((T, D), float("nan")))
     _close(hidden, ref.mhc_last(out, streams, post, comb, norm_w, norm_eps=NORM_EPS), 1e-5)
+
+
+def test_sinkhorn_form_by_device(monkeypatch):
+    """Tiles in the interpreter, registers on the GPU, the approximate reciprocal only there and only
+    when asked for (the interpreter has no inline assembly)."""
+    assert fused.plan(3, 100, N, on_gpu=False)["SK4"] == 0
+    assert fused.plan(3, 100, N, on_gpu=True)["SK4"] == 1
+    monkeypatch.setattr(fused, "SINKHORN_RCP", True)
+    assert fused.plan(3, 100, N, on_gpu=True)["SK4"] == 2
+    monkeypatch.setattr(fused, "SINKHORN_IN_REGISTERS", True)
+    assert fused.plan(3, 100, N, on_gpu=False)["SK4"] == 1

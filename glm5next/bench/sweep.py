@@ -20,8 +20,10 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..checkpoint.fp8 import quantize_fp8_blocks
 from ..config import MHC_POST_MULT
+from ..kernels import boundary as boundary_kernels
 from ..kernels.boundary import mhc_boundary, mhc_last
 from ..kernels.linear import gate_up_swiglu, skinny_linear, skinny_linear_multi
+from ..kernels.linear import kernel as linear_kernel
 from .floor import capture, measure_read_bandwidth, time_replays
 from .stages import ROTATE_BYTES
 
@@ -50,12 +52,43 @@ VARIANTS = {
     "pdl": dict(pdl=True),
     "pdl-split-half": dict(pdl=True, split_factor=0.5),
     "pdl-split-2x": dict(pdl=True, split_factor=2),
+    "pdl-no-prefetch": dict(pdl=True),
+    "pdl-prefetch-8mb": dict(pdl=True),
+    "bn32": dict(block_n=32),
+    "bn16": dict(block_n=16),
+    "bn32-split-half": dict(block_n=32, split_factor=0.5),
 }
 """Keyword overrides of the skinny kernels; "heuristic" is the default launch (fp16 products for FP8
 weights at up to 16 rows, their tiles through tensor descriptors), "dot" the same with pointer loads
 (and the full split for gated calls), "fp16"/"bf16" force the product type at every row count (FP8
 weights only: skipped for BF16 cases), "swap*" multiply W @ x.T (the weight tile as the left, register
-operand), "tma*" load FP8 weight tiles through tensor descriptors."""
+operand), "tma*" load FP8 weight tiles through tensor descriptors, "pdl*" launch as programmatic
+dependents (the weight prefetch capped by `SETTINGS`), "bn*" narrower output tiles (more programs on
+small matrices)."""
+SETTINGS = {
+    "pdl-no-prefetch": (linear_kernel, "PREFETCH_BYTES", 0),
+    "pdl-prefetch-8mb": (linear_kernel, "PREFETCH_BYTES", 8 << 20),
+}
+"""Variants that also change a module setting while they are captured: (module, name, value)."""
+
+
+def _with(mod, name: str, value, fn):
+    """`fn` with `mod.name` set to `value` during each call (a graph captures what the call launches)."""
+    def call(*args):
+        old = getattr(mod, name)
+        setattr(mod, name, value)
+        try:
+            return fn(*args)
+        finally:
+            setattr(mod, name, old)
+    return call
+
+
+def _setting(variant: str, fn):
+    """`fn` with the variant's module setting (if any) in force during the call."""
+    return _with(*SETTINGS[variant], fn) if variant in SETTINGS else fn
+
+
 SHAPES = {
     # name: (list of [N, K] weights in one call, gated, storage)
     "kda_group": ([(8192, 4096)] * 3 + [(64, 4096), (128, 4096), (128, 4096)], False, "bf16"),
@@ -112,7 +145,7 @@ def sweep_linear(device, m_values, bandwidth: float, replays: int, variants=None
                             skinny_linear(x, *ws[0], **kw)
 
                 try:
-                    us = _time(run, len(insts), replays)
+                    us = _time(_setting(variant, run), len(insts), replays)
                 except Exception as e:  # a variant that fails to compile here is reported, not fatal
                     print(f"{name} M={m} {variant}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                     torch.cuda.synchronize()
@@ -223,10 +256,16 @@ def _empty(x_ptr):
     pass
 
 
+def _rcp(fn):
+    """`fn` with the boundary's Sinkhorn on the approximate reciprocal (`SINKHORN_RCP`)."""
+    return _with(boundary_kernels, "SINKHORN_RCP", True, fn)
+
+
 def boundary_parts(device, t_values, replays: int) -> list[dict]:
     """Where the boundary's time goes, with the default tiling: the whole boundary, the same with one
     Sinkhorn iteration (the other 19 are the difference), as a programmatic dependent launch (each copy
-    prefetching its mixer while the one before finishes), the last layer's variant (hc_post, the mean and the final norm: the chunk phase without the mixer
+    prefetching its mixer while the one before finishes), with Sinkhorn's reciprocals approximate, both,
+    the last layer's variant (hc_post, the mean and the final norm: the chunk phase without the mixer
     GEMV, and a finisher without Sinkhorn or collapse) and an empty launch (the graph's cost per kernel)."""
     D, n = 4096, 4
     w = (2 + n) * n
@@ -250,6 +289,10 @@ def boundary_parts(device, t_values, replays: int) -> list[dict]:
             "sinkhorn-1": lambda mx: mhc_boundary(out, streams, post, comb, *mx, **kw, sinkhorn_iters=1, **bufs,
                                                   pdl=False),
             "pdl": lambda mx: mhc_boundary(out, streams, post, comb, *mx, **kw, sinkhorn_iters=20, **bufs, pdl=True),
+            "rcp": _rcp(lambda mx: mhc_boundary(out, streams, post, comb, *mx, **kw, sinkhorn_iters=20, **bufs,
+                                                pdl=False)),
+            "pdl-rcp": _rcp(lambda mx: mhc_boundary(out, streams, post, comb, *mx, **kw, sinkhorn_iters=20,
+                                                    **bufs, pdl=True)),
             "last": lambda mx: mhc_last(out, streams, post, comb, mx[3], norm_eps=1e-5, hidden=bufs["x"], pdl=False),
             "empty": lambda mx: _empty[(1,)](out),
         }

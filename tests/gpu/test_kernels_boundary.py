@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from glm5next.config import MHC_POST_MULT
+from glm5next.kernels import boundary as fused
 from glm5next.kernels.boundary import mhc_boundary, mhc_first, mhc_last
 from glm5next.kernels.boundary import reference as ref
 
@@ -144,3 +145,20 @@ def test_programmatic_chain_in_a_graph_equals_the_plain_chain(T):
         torch.cuda.synchronize()
         for got, want in zip(captured, plain):
             assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("T", [1, 8, 64])
+def test_sinkhorn_on_the_approximate_reciprocal_matches_reference(monkeypatch, T):
+    """`SINKHORN_RCP`: Sinkhorn's reciprocals by rcp.approx hold the same tolerances against the fp32
+    reference applied to the kernel's own streams as the default division, for boundary and first."""
+    monkeypatch.setattr(fused, "SINKHORN_RCP", True)
+    g = torch.Generator().manual_seed(300 + T)
+    mixer, nxt = _mixer(g), _mixer(g)
+    out, streams, post, comb = _inputs(T, g, mixer)
+    fn, base, scale, _ = nxt
+    weights = dict(hc_eps=KW["hc_eps"], rms_eps=KW["rms_eps"], sinkhorn_iters=KW["sinkhorn_iters"],
+                   post_mult=KW["post_mult"])
+    for got in (mhc_boundary(out, streams, post, comb, *nxt, **KW), mhc_first(out, *nxt, **KW)):
+        _, own_post, own_comb = ref.hc_weights(got[0], fn, base, scale, **weights)
+        torch.testing.assert_close(got[1], own_post, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got[2], own_comb, rtol=1e-3, atol=1e-4)

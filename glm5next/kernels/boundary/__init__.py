@@ -40,6 +40,10 @@ def _p2(x: int) -> int:
 SINKHORN_IN_REGISTERS: bool | None = None
 """n = 4 Sinkhorn as 16 register values (the GPU's path) or as [n, n] tiles (the interpreter's:
 far fewer operations); None picks by device. Tests set it to check the GPU path on the CPU."""
+SINKHORN_RCP = False
+"""On the GPU's register path, each normalisation's reciprocal by the hardware's approximate `rcp`
+(within 1 ulp; the default division is within 2) instead of the division sequence: a shorter chain
+for Sinkhorn's 38 dependent normalisations. Off until the H200 sweep has timed it."""
 
 
 def plan(T: int, D: int, n: int, on_gpu: bool, block_t: int | None = None, chunk: int | None = None) -> dict:
@@ -57,11 +61,14 @@ def plan(T: int, D: int, n: int, on_gpu: bool, block_t: int | None = None, chunk
     # Registers bound the GPU's sub-tile; the interpreter pays per operation, so one sub-tile per chunk.
     sub = min(chunk, max(16, min(64, 2048 // (bt * w)))) if on_gpu else chunk
     nc = triton.cdiv(D, chunk)
+    # Sinkhorn's form: 0 [n, n] tiles, 1 registers, 2 registers with the approximate reciprocal.
+    regs = on_gpu if SINKHORN_IN_REGISTERS is None else SINKHORN_IN_REGISTERS
+    sk4 = (2 if on_gpu and SINKHORN_RCP else 1) if regs else 0
     return dict(
         ROWS=rows, BT=bt, SUB=sub, NSUB=chunk // sub, NC=nc, NT=triton.cdiv(T, bt),
         NCB=min(_p2(nc), max(1, 1024 // (bt * w))),
         FIN=min(_p2(D), max(16, 4096 // bt)),
-        SK4=on_gpu if SINKHORN_IN_REGISTERS is None else SINKHORN_IN_REGISTERS,
+        SK4=sk4,
     )
 
 
