@@ -3,7 +3,7 @@
 #
 #   OUT=DIR bench/gpu_run.sh STEP [STEP ...]
 #
-# STEP: tests[:kernels|specialized|graph] | tune:SIZES (e.g. tune:1,2,4,8) | specialized | speculative | sweep[:M,M,...]
+# STEP: tests[:kernels|specialized|graph|bf16] | tune:SIZES (e.g. tune:1,2,4,8) | specialized | speculative | sweep[:M,M,...]
 # (SWEEP_ARGS adds options to the sweep, e.g. "--skip-probe --variants heuristic,swap").
 # Each step writes its log (and JSON) under $OUT and gets its own time limit, so one slow step
 # leaves the others' results. Triton's compiled kernels go to $TRITON_CACHE_DIR (default
@@ -29,7 +29,8 @@ for step in "$@"; do
     case $step in
         tests | tests:*)
             # tests:kernels, tests:specialized, tests:graph run one file each (the whole suite takes
-            # over 7 minutes on a fresh machine, mostly compiling).
+            # over 7 minutes on a fresh machine, mostly compiling); tests:bf16 only the planned bf16
+            # steps against fp32 (about 80 s).
             part=${step#tests}
             part=${part#:}
             files=tests/gpu
@@ -38,7 +39,8 @@ for step in "$@"; do
                 kernels) files="tests/gpu/test_kernels_boundary.py tests/gpu/test_kernels_linear.py" ;;
                 specialized) files=tests/gpu/test_specialized.py ;;
                 graph) files=tests/gpu/test_graph_decode.py ;;
-                *) echo "unknown test part: $part (kernels, specialized, graph)" >&2; exit 2 ;;
+                bf16) files="tests/gpu/test_specialized.py -k bf16_are_as_exact" ;;
+                *) echo "unknown test part: $part (kernels, specialized, graph, bf16)" >&2; exit 2 ;;
             esac
             run "gpu-tests${part:+-$part}" 480 python -m pytest -v -rP -p no:cacheprovider \
                 -o faulthandler_timeout=240 --durations=15 $files ;;
