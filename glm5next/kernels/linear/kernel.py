@@ -213,11 +213,20 @@ def _finish(acc, acc2, o_ptr, stride_om, n0, M, N, limit, TWO: tl.constexpr,
 
 @triton.jit
 def _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, local, pid_k, ws_ptr, cnt_ptr,
-             num_tiles, limit, s_stride, w_ptr, s_ptr, w2_ptr, s2_ptr, o_ptr, stride_om, N,
+             num_tiles, limit, s_stride, w_ptr, s_ptr, w2_ptr, s2_ptr, o_ptr, stride_om, N, r_ptr, r2_ptr, pf_iters,
              IS_FP8: tl.constexpr, F32: tl.constexpr, TWO: tl.constexpr, SPLIT: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
-             F32_SUB: tl.constexpr, HALF: tl.constexpr, SWAP: tl.constexpr, TMA: tl.constexpr):
-    """One program's share of one projection: tile `local` of it, K split `pid_k`."""
+             F32_SUB: tl.constexpr, HALF: tl.constexpr, SWAP: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr):
+    """One program's share of one projection: tile `local` of it, K split `pid_k`. With PDL it first lets
+    the next kernel start, prefetches its weight tiles' first pf_iters K steps (from the plain pointers
+    r_ptr / r2_ptr) and waits for the previous kernel."""
+    if PDL:
+        launch_dependents()
+        if pf_iters > 0:
+            _prefetch_tile(r_ptr, local, pid_k, N, K, ITERS, pf_iters, BLOCK_N, BLOCK_K)
+            if TWO:
+                _prefetch_tile(r2_ptr, local, pid_k, N, K, ITERS, pf_iters, BLOCK_N, BLOCK_K)
+        wait_previous()
     n0 = local * BLOCK_N
     it0 = pid_k * ITERS
     n_it = tl.minimum(ITERS, K_ITERS - it0)
@@ -277,62 +286,44 @@ def skinny_kernel(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, ws_ptr, cnt_ptr
     """Grid (num_tiles, split). Projection p owns tiles [T_p, T_{p+1}) (T_0 = 0, T_NUM = num_tiles);
     bit p of FP8_MASK / F32_MASK says whether its weight is FP8 / whether it multiplies in fp32.
     With TWO (one projection only) projection 0 is the gate and up_w/up_s the up weight. With TMA every
-    weight (w_p, up_w) is a tensor descriptor. r_p / up_r are the weights' plain pointers: with PDL the
-    first pf_iters K steps of each program's tiles go to L2 before the wait for the previous kernel."""
+    weight (w_p, up_w) is a tensor descriptor. r_p / up_r are the weights' plain pointers, for the L2
+    prefetch of a programmatic-dependent launch (PDL)."""
     tile = tl.program_id(0)
     pid_k = tl.program_id(1)
-    if PDL:
-        launch_dependents()
-        if pf_iters > 0:
-            if tile < T1:
-                _prefetch_tile(r0, tile, pid_k, N0, K, ITERS, pf_iters, BLOCK_N, BLOCK_K)
-                if TWO:
-                    _prefetch_tile(up_r, tile, pid_k, N0, K, ITERS, pf_iters, BLOCK_N, BLOCK_K)
-            if NUM > 1:
-                if (tile >= T1) & (tile < T2):
-                    _prefetch_tile(r1, tile - T1, pid_k, N1, K, ITERS, pf_iters, BLOCK_N, BLOCK_K)
-            if NUM > 2:
-                if (tile >= T2) & (tile < T3):
-                    _prefetch_tile(r2, tile - T2, pid_k, N2, K, ITERS, pf_iters, BLOCK_N, BLOCK_K)
-            if NUM > 3:
-                if (tile >= T3) & (tile < T4):
-                    _prefetch_tile(r3, tile - T3, pid_k, N3, K, ITERS, pf_iters, BLOCK_N, BLOCK_K)
-            if NUM > 4:
-                if (tile >= T4) & (tile < T5):
-                    _prefetch_tile(r4, tile - T4, pid_k, N4, K, ITERS, pf_iters, BLOCK_N, BLOCK_K)
-            if NUM > 5:
-                if tile >= T5:
-                    _prefetch_tile(r5, tile - T5, pid_k, N5, K, ITERS, pf_iters, BLOCK_N, BLOCK_K)
-        wait_previous()
     if tile < T1:
         _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile, pid_k, ws_ptr, cnt_ptr, num_tiles,
-                 limit, s_stride, w0, s0, up_w, up_s, o0, so0, N0, FP8_MASK & 1, F32_MASK & 1, TWO, SPLIT,
-                 BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, HALF, SWAP, TMA)
+                 limit, s_stride, w0, s0, up_w, up_s, o0, so0, N0, r0, up_r, pf_iters, FP8_MASK & 1, F32_MASK & 1, TWO,
+                 SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, HALF, SWAP, TMA, PDL)
     if NUM > 1:
         if (tile >= T1) & (tile < T2):
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T1, pid_k, ws_ptr, cnt_ptr,
-                     num_tiles, limit, s_stride, w1, s1, w1, s1, o1, so1, N1, (FP8_MASK >> 1) & 1,
-                     (F32_MASK >> 1) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, HALF, SWAP, TMA)
+                     num_tiles, limit, s_stride, w1, s1, w1, s1, o1, so1, N1, r1, r1, pf_iters,
+                     (FP8_MASK >> 1) & 1, (F32_MASK >> 1) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
+                     F32_SUB, HALF, SWAP, TMA, PDL)
     if NUM > 2:
         if (tile >= T2) & (tile < T3):
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T2, pid_k, ws_ptr, cnt_ptr,
-                     num_tiles, limit, s_stride, w2, s2, w2, s2, o2, so2, N2, (FP8_MASK >> 2) & 1,
-                     (F32_MASK >> 2) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, HALF, SWAP, TMA)
+                     num_tiles, limit, s_stride, w2, s2, w2, s2, o2, so2, N2, r2, r2, pf_iters,
+                     (FP8_MASK >> 2) & 1, (F32_MASK >> 2) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
+                     F32_SUB, HALF, SWAP, TMA, PDL)
     if NUM > 3:
         if (tile >= T3) & (tile < T4):
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T3, pid_k, ws_ptr, cnt_ptr,
-                     num_tiles, limit, s_stride, w3, s3, w3, s3, o3, so3, N3, (FP8_MASK >> 3) & 1,
-                     (F32_MASK >> 3) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, HALF, SWAP, TMA)
+                     num_tiles, limit, s_stride, w3, s3, w3, s3, o3, so3, N3, r3, r3, pf_iters,
+                     (FP8_MASK >> 3) & 1, (F32_MASK >> 3) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
+                     F32_SUB, HALF, SWAP, TMA, PDL)
     if NUM > 4:
         if (tile >= T4) & (tile < T5):
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T4, pid_k, ws_ptr, cnt_ptr,
-                     num_tiles, limit, s_stride, w4, s4, w4, s4, o4, so4, N4, (FP8_MASK >> 4) & 1,
-                     (F32_MASK >> 4) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, HALF, SWAP, TMA)
+                     num_tiles, limit, s_stride, w4, s4, w4, s4, o4, so4, N4, r4, r4, pf_iters,
+                     (FP8_MASK >> 4) & 1, (F32_MASK >> 4) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
+                     F32_SUB, HALF, SWAP, TMA, PDL)
     if NUM > 5:
         if tile >= T5:
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T5, pid_k, ws_ptr, cnt_ptr,
-                     num_tiles, limit, s_stride, w5, s5, w5, s5, o5, so5, N5, (FP8_MASK >> 5) & 1,
-                     (F32_MASK >> 5) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, HALF, SWAP, TMA)
+                     num_tiles, limit, s_stride, w5, s5, w5, s5, o5, so5, N5, r5, r5, pf_iters,
+                     (FP8_MASK >> 5) & 1, (F32_MASK >> 5) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
+                     F32_SUB, HALF, SWAP, TMA, PDL)
 
 
 def tile_counters(device: torch.device) -> torch.Tensor:
