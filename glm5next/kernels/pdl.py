@@ -19,9 +19,16 @@ import triton.language as tl
 from triton.language.extra import cuda as tlcuda
 
 
+_ENABLED: dict[int | None, bool] = {}
+
+
 def enabled(device: torch.device) -> bool:
-    """Whether kernels on `device` can be launched as programmatic dependents."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    """Whether kernels on `device` can be launched as programmatic dependents (asked once per GPU)."""
+    if device.type != "cuda":
+        return False
+    if device.index not in _ENABLED:
+        _ENABLED[device.index] = torch.cuda.get_device_capability(device)[0] >= 9
+    return _ENABLED[device.index]
 
 
 @triton.jit
@@ -37,7 +44,7 @@ def wait_previous():
 @triton.jit
 def prefetch_l2(ptrs, nbytes, mask):
     """Ask L2 to fetch `nbytes` (a multiple of 16) from each 16-byte aligned address in `ptrs` where
-    `mask` holds (one bulk prefetch per element; no data reaches the program)."""
+    `mask` (broadcast to `ptrs`) holds: one bulk prefetch per element; no data reaches the program."""
     addr = ptrs.to(tl.int64)
     size = tl.zeros(ptrs.shape, tl.int32) + nbytes
     on = (mask & (size > 0)).to(tl.int32)

@@ -93,9 +93,8 @@ def _launch(mode, out, streams, post, comb, fn, base, scale, w, new_streams, new
             raise ValueError("output buffers must be contiguous")
     part = torch.empty(T * p["NC"] * p["ROWS"] * n, dtype=torch.float32, device=out.device)
     dummy = out
-    if pdl is None:
-        pdl = PDL
-    pdl = _pdl.enabled(out.device) if pdl is None else bool(pdl) and _pdl.enabled(out.device)
+    want = PDL if pdl is None else pdl  # None: wherever the device has it
+    pdl = want is not False and _pdl.enabled(out.device)
     mhc_kernel[(p["NC"], nt)](
         out, dummy if streams is None else streams, dummy if post is None else post,
         dummy if comb is None else comb, dummy if fn is None else fn, dummy if base is None else base,

@@ -207,10 +207,11 @@ def mhc_kernel(
         # chunk's mixer rows (constants) into L2 while the previous kernel finishes, then wait for it.
         _launch_dependents()
         if MODE != 2 and D % 4 == 0:  # whole 16-byte pieces of fp32 rows
-            jj = tl.arange(0, N)
-            rows = fn_ptr + kk[:, None] * (N * D) + jj[None, :] * D + c * CHUNK
-            _prefetch_l2(rows, tl.minimum(CHUNK, D - c * CHUNK) * 4, (kk < SSQ)[:, None] & (jj < N)[None, :])
+            rows = fn_ptr + kk[:, None] * (N * D) + tl.arange(0, N)[None, :] * D + c * CHUNK
+            _prefetch_l2(rows, tl.minimum(CHUNK, D - c * CHUNK) * 4, (kk < SSQ)[:, None])
         _wait_previous()
+    if MODE != 1:
+        cs = _comb(comb_ptr, tok, tmask, N)
     acc = tl.zeros((BT, W, SUB), tl.float32)
     ssq = tl.zeros((BT, SUB), tl.float32)
     for s in tl.static_range(NSUB):
@@ -227,8 +228,6 @@ def mhc_kernel(
             if MODE != 2:
                 fp = fn_ptr + kk[:, None] * (N * D) + j * D + d[None, :]
                 mix = mix + (tl.load(fp, mask=(kk < SSQ)[:, None] & dm[None, :], other=0.0),)
-        if MODE != 1 and s == 0:
-            cs = _comb(comb_ptr, tok, tmask, N)
         msum = tl.zeros((BT, SUB), tl.float32)
         for j in tl.static_range(N):
             if MODE == 1:
