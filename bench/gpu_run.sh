@@ -4,7 +4,9 @@
 #   OUT=DIR bench/gpu_run.sh STEP [STEP ...]
 #
 # STEP: tests[:kernels|specialized|graph|bf16] | tune:SIZES (e.g. tune:1,2,4,8) | specialized | speculative | sweep[:M,M,...]
-# (SWEEP_ARGS adds options to the sweep, e.g. "--skip-probe --variants heuristic,swap").
+#       | ncu[:CASE,CASE,...] (Nsight Compute over glm5next.bench.profile_kernels' cases, e.g. ncu:dsa_group:1,boundary:8)
+# (SWEEP_ARGS adds options to the sweep, e.g. "--skip-probe --variants heuristic,swap"; NCU_ARGS to the profiled script,
+# e.g. "--variant bn32").
 # Each step writes its log (and JSON) under $OUT and gets its own time limit, so one slow step
 # leaves the others' results. Triton's compiled kernels go to $TRITON_CACHE_DIR (default
 # .triton-cache in this tree, ignored by git), so a later call on the same machine skips compiling.
@@ -58,8 +60,19 @@ for step in "$@"; do
             m=${m#:}
             run sweep 420 python -m glm5next.bench.sweep --skip-boundary --m "${m:-1,8,16,32,64}" \
                 --out "$OUT/sweep.json" ${SWEEP_ARGS:-} ;;
+        ncu | ncu:*)
+            # The details page (throughput, stall reasons, occupancy) and the per-instruction SASS counters as
+            # text; the report itself stays under $OUT as ncu.ncu-rep.
+            cases=${step#ncu}
+            cases=${cases#:}
+            ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -n 1)
+            run ncu 200 "$ncu" --clock-control none --set full --import-source yes -k 'regex:skinny|mhc' -f \
+                -o "$OUT/ncu" python -m glm5next.bench.profile_kernels ${cases:+--cases "$cases"} ${NCU_ARGS:-}
+            "$ncu" -i "$OUT/ncu.ncu-rep" --page details > "$OUT/ncu-details.txt" 2>&1
+            "$ncu" -i "$OUT/ncu.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu-sass.csv" 2>&1
+            echo "ncu export: $(wc -l < "$OUT/ncu-details.txt") detail lines, $(wc -l < "$OUT/ncu-sass.csv") sass lines" ;;
         *)
-            echo "unknown step: $step (tests[:PART], tune:SIZES, specialized, speculative, sweep[:M,...])" >&2
+            echo "unknown step: $step (tests[:PART], tune:SIZES, specialized, speculative, sweep[:M,...], ncu[:CASES])" >&2
             exit 2 ;;
     esac
 done
