@@ -3,7 +3,7 @@
 #
 #   OUT=DIR bench/gpu_run.sh STEP [STEP ...]
 #
-# STEP: tests[:kernels|specialized|graph|bf16] | tune:SIZES (e.g. tune:1,2,4,8) | specialized | speculative | sweep[:M,M,...]
+# STEP: tests[:kernels|specialized|graph|bf16] | tune:SIZES (e.g. tune:1,2,4,8) | specialized | speculative | sweep[:M,M,...] | sweep-boundary[:T,T,...]
 #       | ncu[:CASE,CASE,...] (Nsight Compute over glm5next.bench.profile_kernels' cases, e.g. ncu:dsa_group:1,boundary:8)
 # (SWEEP_ARGS adds options to the sweep, e.g. "--skip-probe --variants heuristic,swap"; NCU_ARGS to the profiled script,
 # e.g. "--variant bn32").
@@ -60,6 +60,12 @@ for step in "$@"; do
             m=${m#:}
             run sweep 420 python -m glm5next.bench.sweep --skip-boundary --m "${m:-1,8,16,32,64}" \
                 --out "$OUT/sweep.json" ${SWEEP_ARGS:-} ;;
+        sweep-boundary | sweep-boundary:*)
+            # The boundary's (block_t, chunk) tilings at the given token counts, with the module's defaults.
+            t=${step#sweep-boundary}
+            t=${t#:}
+            run sweep-boundary 300 python -m glm5next.bench.sweep --skip-linear --skip-probe --t "${t:-1,4,8,16}" \
+                --out "$OUT/sweep-boundary.json" ;;
         ncu | ncu:*)
             # The details page (throughput, stall reasons, occupancy) and the per-instruction SASS counters as
             # text; the report itself stays under $OUT as ncu.ncu-rep.
@@ -72,7 +78,7 @@ for step in "$@"; do
             "$ncu" -i "$OUT/ncu.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu-sass.csv" 2>&1
             echo "ncu export: $(wc -l < "$OUT/ncu-details.txt") detail lines, $(wc -l < "$OUT/ncu-sass.csv") sass lines" ;;
         *)
-            echo "unknown step: $step (tests[:PART], tune:SIZES, specialized, speculative, sweep[:M,...], ncu[:CASES])" >&2
+            echo "unknown step: $step (tests[:PART], tune:SIZES, specialized, speculative, sweep[:M,...], sweep-boundary[:T,...], ncu[:CASES])" >&2
             exit 2 ;;
     esac
 done

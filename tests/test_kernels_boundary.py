@@ -209,11 +209,12 @@ def test_rows_wider_than_one_finisher_tile():
 
 
 def test_sinkhorn_form_by_device(monkeypatch):
-    """Tiles in the interpreter, registers on the GPU, the approximate reciprocal only there and only
-    when asked for (the interpreter has no inline assembly)."""
+    """Tiles in the interpreter, registers on the GPU with the approximate reciprocal unless turned
+    off (the interpreter has no inline assembly)."""
     assert fused.plan(3, 100, N, on_gpu=False)["SK4"] == 0
+    assert fused.plan(3, 100, N, on_gpu=True)["SK4"] == 2
+    monkeypatch.setattr(fused, "SINKHORN_RCP", False)
     assert fused.plan(3, 100, N, on_gpu=True)["SK4"] == 1
     monkeypatch.setattr(fused, "SINKHORN_RCP", True)
-    assert fused.plan(3, 100, N, on_gpu=True)["SK4"] == 2
     monkeypatch.setattr(fused, "SINKHORN_IN_REGISTERS", True)
     assert fused.plan(3, 100, N, on_gpu=False)["SK4"] == 1

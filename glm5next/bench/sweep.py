@@ -57,6 +57,7 @@ VARIANTS = {
     "bn32": dict(block_n=32),
     "bn16": dict(block_n=16),
     "bn32-split-half": dict(block_n=32, split_factor=0.5),
+    **{f"split-{k}": dict(split_k=k) for k in (1, 2, 3, 4, 5, 6, 7, 8, 11, 16)},
 }
 """Keyword overrides of the skinny kernels; "heuristic" is the default launch (fp16 products for FP8
 weights at up to 16 rows, their tiles through tensor descriptors), "dot" the same with pointer loads
@@ -64,7 +65,7 @@ weights at up to 16 rows, their tiles through tensor descriptors), "dot" the sam
 weights only: skipped for BF16 cases), "swap*" multiply W @ x.T (the weight tile as the left, register
 operand), "tma*" load FP8 weight tiles through tensor descriptors, "pdl*" launch as programmatic
 dependents (the weight prefetch capped by `SETTINGS`), "bn*" narrower output tiles (more programs on
-small matrices)."""
+small matrices), "split-N" exactly N K splits (fewer where N exceeds the K steps)."""
 SETTINGS = {
     "pdl-no-prefetch": (linear_kernel, "PREFETCH_BYTES", 0),
     "pdl-prefetch-8mb": (linear_kernel, "PREFETCH_BYTES", 8 << 20),
@@ -256,15 +257,16 @@ def _empty(x_ptr):
     pass
 
 
-def _rcp(fn):
-    """`fn` with the boundary's Sinkhorn on the approximate reciprocal (`SINKHORN_RCP`)."""
-    return _with(boundary_kernels, "SINKHORN_RCP", True, fn)
+def _div(fn):
+    """`fn` with the boundary's Sinkhorn on the division sequence (`SINKHORN_RCP` off)."""
+    return _with(boundary_kernels, "SINKHORN_RCP", False, fn)
 
 
 def boundary_parts(device, t_values, replays: int) -> list[dict]:
     """Where the boundary's time goes, with the default tiling: the whole boundary, the same with one
     Sinkhorn iteration (the other 19 are the difference), as a programmatic dependent launch (each copy
-    prefetching its mixer while the one before finishes), with Sinkhorn's reciprocals approximate, both,
+    prefetching its mixer while the one before finishes), with Sinkhorn's division sequence instead of
+    the approximate reciprocal (plain and programmatic),
     the last layer's variant (hc_post, the mean and the final norm: the chunk phase without the mixer
     GEMV, and a finisher without Sinkhorn or collapse) and an empty launch (the graph's cost per kernel)."""
     D, n = 4096, 4
@@ -289,9 +291,9 @@ def boundary_parts(device, t_values, replays: int) -> list[dict]:
             "sinkhorn-1": lambda mx: mhc_boundary(out, streams, post, comb, *mx, **kw, sinkhorn_iters=1, **bufs,
                                                   pdl=False),
             "pdl": lambda mx: mhc_boundary(out, streams, post, comb, *mx, **kw, sinkhorn_iters=20, **bufs, pdl=True),
-            "rcp": _rcp(lambda mx: mhc_boundary(out, streams, post, comb, *mx, **kw, sinkhorn_iters=20, **bufs,
+            "div": _div(lambda mx: mhc_boundary(out, streams, post, comb, *mx, **kw, sinkhorn_iters=20, **bufs,
                                                 pdl=False)),
-            "pdl-rcp": _rcp(lambda mx: mhc_boundary(out, streams, post, comb, *mx, **kw, sinkhorn_iters=20,
+            "pdl-div": _div(lambda mx: mhc_boundary(out, streams, post, comb, *mx, **kw, sinkhorn_iters=20,
                                                     **bufs, pdl=True)),
             "last": lambda mx: mhc_last(out, streams, post, comb, mx[3], norm_eps=1e-5, hidden=bufs["x"], pdl=False),
             "empty": lambda mx: _empty[(1,)](out),

@@ -147,11 +147,13 @@ def test_programmatic_chain_in_a_graph_equals_the_plain_chain(T):
             assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("rcp", [True, False])
 @pytest.mark.parametrize("T", [1, 8, 64])
-def test_sinkhorn_on_the_approximate_reciprocal_matches_reference(monkeypatch, T):
-    """`SINKHORN_RCP`: Sinkhorn's reciprocals by rcp.approx hold the same tolerances against the fp32
-    reference applied to the kernel's own streams as the default division, for boundary and first."""
-    monkeypatch.setattr(fused, "SINKHORN_RCP", True)
+def test_sinkhorn_by_either_reciprocal_matches_reference(monkeypatch, T, rcp):
+    """`SINKHORN_RCP`: Sinkhorn's reciprocals by rcp.approx (the default) or by the division sequence
+    hold the same tolerances against the fp32 reference applied to the kernel's own streams, for
+    boundary and first."""
+    monkeypatch.setattr(fused, "SINKHORN_RCP", rcp)
     g = torch.Generator().manual_seed(300 + T)
     mixer, nxt = _mixer(g), _mixer(g)
     out, streams, post, comb = _inputs(T, g, mixer)

@@ -40,10 +40,11 @@ def _p2(x: int) -> int:
 SINKHORN_IN_REGISTERS: bool | None = None
 """n = 4 Sinkhorn as 16 register values (the GPU's path) or as [n, n] tiles (the interpreter's:
 far fewer operations); None picks by device. Tests set it to check the GPU path on the CPU."""
-SINKHORN_RCP = False
+SINKHORN_RCP = True
 """On the GPU's register path, each normalisation's reciprocal by the hardware's approximate `rcp`
 (within 1 ulp; the default division is within 2) instead of the division sequence: a shorter chain
-for Sinkhorn's 38 dependent normalisations. Off until the H200 sweep has timed it."""
+for Sinkhorn's 38 dependent normalisations (the H200 sweep of 2026-12-04 timed 64 boundaries in a row,
+launched as programmatic dependents, at 8.13 -> 7.55 us each at 1 token, 10.07 -> 9.41 us at 8)."""
 
 
 def plan(T: int, D: int, n: int, on_gpu: bool, block_t: int | None = None, chunk: int | None = None) -> dict:
