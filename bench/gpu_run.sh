@@ -3,7 +3,7 @@
 #
 #   OUT=DIR bench/gpu_run.sh STEP [STEP ...]
 #
-# STEP: tests[:kernels|specialized|graph|bf16] | tune:SIZES (e.g. tune:1,2,4,8) | specialized | speculative | sweep[:M,M,...] | sweep-boundary[:T,T,...]
+# STEP: tests[:kernels|boundary|specialized|graph|bf16] | tune:SIZES (e.g. tune:1,2,4,8) | specialized | speculative | sweep[:M,M,...] | sweep-boundary[:T,T,...]
 #       | ncu[:CASE,CASE,...] (Nsight Compute over glm5next.bench.profile_kernels' cases, e.g. ncu:dsa_group:1,boundary:8)
 # (SWEEP_ARGS adds options to the sweep, e.g. "--skip-probe --variants heuristic,swap"; NCU_ARGS to the profiled script,
 # e.g. "--variant bn32").
@@ -39,10 +39,11 @@ for step in "$@"; do
             case $part in
                 "") ;;
                 kernels) files="tests/gpu/test_kernels_boundary.py tests/gpu/test_kernels_linear.py" ;;
+                boundary) files=tests/gpu/test_kernels_boundary.py ;;
                 specialized) files=tests/gpu/test_specialized.py ;;
                 graph) files=tests/gpu/test_graph_decode.py ;;
                 bf16) files="tests/gpu/test_specialized.py -k bf16_are_as_exact" ;;
-                *) echo "unknown test part: $part (kernels, specialized, graph, bf16)" >&2; exit 2 ;;
+                *) echo "unknown test part: $part (kernels, boundary, specialized, graph, bf16)" >&2; exit 2 ;;
             esac
             run "gpu-tests${part:+-$part}" 480 python -m pytest -v -rP -p no:cacheprovider \
                 -o faulthandler_timeout=240 --durations=15 $files ;;

@@ -29,13 +29,21 @@ from ..pdl import wait_previous as _wait_previous
 @triton.jit
 def _unit4(a0, a1, a2, a3, eps, RCP: tl.constexpr):
     # One reciprocal per row, then four products (instead of four divisions). RCP: the hardware's
-    # approximate reciprocal (rcp.approx, within 1 ulp) instead of the default division's sequence.
-    t = (a0 + a1) + (a2 + a3) + eps
+    # approximate reciprocal (rcp.approx, within 1 ulp) instead of the default division's sequence, the
+    # whole normalisation in one assembly block whose sums and products carry explicit rounding (.rn), so
+    # ptxas cannot contract them into FMAs: the result is the same in every kernel that inlines it (a
+    # contraction chosen per compiled kernel made a programmatic launch differ from a plain one).
     if RCP:
-        r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [t], dtype=tl.float32, is_pure=True,
-                                      pack=1)
-    else:
-        r = 1.0 / t
+        e = tl.zeros_like(a0) + eps
+        r0, r1, r2, r3 = tl.inline_asm_elementwise(
+            "{ .reg .f32 u, v; add.rn.f32 u, $4, $5; add.rn.f32 v, $6, $7; add.rn.f32 u, u, v; "
+            "add.rn.f32 u, u, $8; rcp.approx.ftz.f32 u, u; "
+            "mul.rn.f32 $0, $4, u; mul.rn.f32 $1, $5, u; mul.rn.f32 $2, $6, u; mul.rn.f32 $3, $7, u; }",
+            "=f,=f,=f,=f,f,f,f,f,f", [a0, a1, a2, a3, e], dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
+            is_pure=True, pack=1)
+        return r0, r1, r2, r3
+    t = (a0 + a1) + (a2 + a3) + eps
+    r = 1.0 / t
     return a0 * r, a1 * r, a2 * r, a3 * r
 
 

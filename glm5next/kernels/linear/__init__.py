@@ -82,7 +82,8 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
     GPU: `tl.dot` with M padded to 16/32/64, BLOCK_K 128 (256 B of BF16 or 128 B of FP8 per weight
     row and step), BLOCK_N 64; split-K until about 2 programs per SM, keeping at least 4 K steps
     per split (so the pipeline fills) and the fp32 partial traffic within 1/4 of the weight bytes
-    (partials mostly stay in L2); as many pipeline stages (2-5) as fit about 100 KB of shared
+    (partials mostly stay in L2), or for FP8 weights at up to 16 rows about 3 programs per SM, rounded
+    down; as many pipeline stages (2-5) as fit about 100 KB of shared
     memory, so two or more programs share an SM. FP8 weights meet 16-bit activations in fp16
     products at BLOCK_M 16 (up to 16 rows; `half` None), where the H200 sweep measured them 1.3x
     faster than bf16 products; at 64 rows they were slower. Where all weights are FP8 and the
@@ -122,7 +123,13 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
     k_iters = triton.cdiv(K, bk)
     if split_k is None:
         tiles = sum(triton.cdiv(n, bn) for n in ns)
-        want = triton.cdiv(2 * sms, tiles)
+        if gpu and weight_bytes == 1 and bm == 16:
+            # FP8 weights at up to 16 rows: as many splits as keep about 3 programs per SM without
+            # exceeding that (the H200 sweep of 2026-12-04: dense down and DSA o_proj 6 splits, 384
+            # programs, against the 5 of a 2-per-SM round-up: 20.2 -> 18.6 and 25.2 -> 23.2 us at 1 row).
+            want = max(1, 3 * sms // tiles)
+        else:
+            want = triton.cdiv(2 * sms, tiles)
         traffic_cap = max(1, K * weight_bytes // (32 * M))
         split = max(1, round(max(1, min(want, k_iters // (4 if gpu else 1), traffic_cap, 16)) * split_factor))
     elif split_k < 1:
