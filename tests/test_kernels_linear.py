@@ -326,8 +326,8 @@ def test_split_is_deterministic():
 
 
 def test_gpu_plans_fill_the_machine():
-    """The real decode shapes on 132 SMs: enough programs (about 2 per SM; 1 for the gated FP8 call,
-    which streams two tiles), splits only where tiles are few."""
+    """The real decode shapes on 132 SMs: enough programs (about 2 per SM, or up to 3 for FP8 weights at
+    up to 16 rows; 1 for the gated FP8 call, which streams two tiles), splits only where tiles are few."""
     def programs(plan, ns):
         return sum(-(-n // plan.block_n) for n in ns) * plan.split_k
 
@@ -343,9 +343,17 @@ def test_gpu_plans_fill_the_machine():
             assert programs(shared, [2048]) >= 128  # gated calls with FP8 tiles through descriptors: ~1 per SM
         for plan in (dsa, o_proj, shared):
             assert 1 <= plan.split_k <= 16
+    for m in (1, 16):  # FP8 dense down: 64 tiles, 6 splits fill 384 of 396 program slots (5 would round up)
+        down = plan_launch(m, [4096], 12288, 1)
+        assert down.split_k == 6 and programs(down, [4096]) <= 3 * 132
+    assert plan_launch(32, [4096], 12288, 1).split_k == 5
     assert plan_launch(1, [4096], 8192, 2) == plan_launch(1, [4096], 8192, 2)  # deterministic
     assert plan_launch(1, [4096], 8192, 2, split_k=1).split_k == 1
     assert plan_launch(3, [4096], 8192, 2, split_k=7, block_n=32).block_n == 32
+    assert plan_launch(3, [4096], 8192, 2).num_warps == 4
+    assert plan_launch(3, [4096], 8192, 2, num_warps=8).num_warps == 8
+    with pytest.raises(ValueError, match="num_warps"):
+        plan_launch(3, [4096], 8192, 2, num_warps=6)
 
 
 def test_bad_arguments_are_refused():

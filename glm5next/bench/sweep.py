@@ -58,6 +58,8 @@ VARIANTS = {
     "bn16": dict(block_n=16),
     "bn32-split-half": dict(block_n=32, split_factor=0.5),
     **{f"split-{k}": dict(split_k=k) for k in (1, 2, 3, 4, 5, 6, 7, 8, 11, 16)},
+    "warps-8": dict(num_warps=8),
+    "warps-8-split-2x": dict(num_warps=8, split_factor=2),
 }
 """Keyword overrides of the skinny kernels; "heuristic" is the default launch (fp16 products for FP8
 weights at up to 16 rows, their tiles through tensor descriptors), "dot" the same with pointer loads
@@ -65,7 +67,8 @@ weights at up to 16 rows, their tiles through tensor descriptors), "dot" the sam
 weights only: skipped for BF16 cases), "swap*" multiply W @ x.T (the weight tile as the left, register
 operand), "tma*" load FP8 weight tiles through tensor descriptors, "pdl*" launch as programmatic
 dependents (the weight prefetch capped by `SETTINGS`), "bn*" narrower output tiles (more programs on
-small matrices), "split-N" exactly N K splits (fewer where N exceeds the K steps)."""
+small matrices), "split-N" exactly N K splits (fewer where N exceeds the K steps),
+"warps-8*" 8 warps per program (more independent warps per scheduler)."""
 SETTINGS = {
     "pdl-no-prefetch": (linear_kernel, "PREFETCH_BYTES", 0),
     "pdl-prefetch-8mb": (linear_kernel, "PREFETCH_BYTES", 8 << 20),

@@ -50,13 +50,15 @@ CANDIDATES: dict[str, dict] = {
     "swap-block-n-128": dict(mode="swap", block_n=128),
     "tma": dict(mode="tma"),
     "pdl": dict(pdl=True),
+    "warps-8": dict(num_warps=8),
 }
 """Launch variants worth timing per call site (keyword overrides of every entry point). `split_factor`
 scales the heuristic's split (rounded, at least 1); "gemv" (no tensor cores) applies to calls of at most 8 rows only;
 `block_k` 256 streams two FP8 scale blocks per step; "fp16-products" / "bf16-products" multiply FP8 weights in
 fp16 / bf16 whatever the row count (see `LaunchPlan.half`); "swap" multiplies W @ x.T (see `LaunchPlan.swap`);
 "tma" loads FP8 weight tiles through tensor descriptors (see `LaunchPlan.tma`; other weights as "dot"); "pdl"
-launches as a programmatic dependent that prefetches its weights into L2 (see `LaunchPlan.pdl`)."""
+launches as a programmatic dependent that prefetches its weights into L2 (see `LaunchPlan.pdl`); "warps-8" runs
+8 warps per program."""
 PDL = False
 """Whether plans launch as programmatic dependents when the caller does not say (`pdl` None)."""
 _SMS: dict[int | None, int] = {}
@@ -75,7 +77,7 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
                 gated: bool = False, split_k: int | None = None, block_n: int | None = None,
                 mode: str | None = None, split_factor: float = 1, x_bytes: int = 2,
                 widest_bytes: int | None = None, block_k: int | None = None,
-                half: bool | None = None, pdl: bool | None = None) -> LaunchPlan:
+                half: bool | None = None, pdl: bool | None = None, num_warps: int | None = None) -> LaunchPlan:
     """Launch parameters for M rows against weights with output widths `ns` and depth K
     (`weight_bytes`: the smallest weight element size; `widest_bytes`: the largest, default the same).
 
@@ -91,9 +93,12 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
     call takes half the split: the H200 sweep of 2026-12-04 measured the dense gate|up at 1-16 rows
     37 -> 33 us, the other shapes equal or up to 4 % faster. CPU: the same rules with BLOCK_K 64,
     4 "SMs" and 1 K step per split. `pdl` (None: the module's `PDL`) asks for a programmatic
-    dependent launch where the device has one (`LaunchPlan.pdl`).
+    dependent launch where the device has one (`LaunchPlan.pdl`). `num_warps` (4 or 8) overrides the
+    warps per program (default 4, 8 for gated calls at 64 rows).
     """
     gpu = device_type != "cpu"
+    if num_warps not in (None, 4, 8):
+        raise ValueError(f"num_warps must be 4 or 8, got {num_warps}")
     if mode not in (None, "dot", "gemv", "swap", "tma"):
         raise ValueError(f"mode must be 'dot', 'swap', 'tma' or 'gemv', got {mode!r}")
     use_dot = mode != "gemv"
@@ -142,7 +147,8 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
     per_stage = bm * bk * x_bytes + (2 if gated else 1) * bn * bk * (widest_bytes or weight_bytes)
     buffers = 100_000 // per_stage
     stages = max(2, min(5, buffers if bm >= 64 else buffers + 1))
-    return LaunchPlan(bm, bn, bk, split, use_dot, num_warps=8 if (bm >= 64 and gated) else 4, num_stages=stages,
+    warps = num_warps or (8 if (bm >= 64 and gated) else 4)
+    return LaunchPlan(bm, bn, bk, split, use_dot, num_warps=warps, num_stages=stages,
                       f32_sub_k=(32 if bm <= 16 else 16) if gpu else bk, swap=mode == "swap",
                       tma=tma, half=half, pdl=PDL if pdl is None else bool(pdl))
 
@@ -188,7 +194,7 @@ def _outputs(x: torch.Tensor, ns: list[int], outs) -> list[torch.Tensor]:
 
 
 def _run(x, projections, outs, split_k, block_n, mode, split_factor=1, up=None, limit=0.0, block_k=None,
-         half=None, pdl=None):
+         half=None, pdl=None, num_warps=None):
     _check_x(x)
     projections = list(projections)
     if not 1 <= len(projections) <= MAX_PROJECTIONS:
@@ -201,7 +207,8 @@ def _run(x, projections, outs, split_k, block_n, mode, split_factor=1, up=None, 
         return outs
     sizes = [w.element_size() for w, _ in projections]
     plan = plan_launch(x.shape[0], ns, x.shape[1], min(sizes), x.device.type, _sm_count(x.device), up is not None,
-                       split_k, block_n, mode, split_factor, x.element_size(), max(sizes), block_k, half, pdl)
+                       split_k, block_n, mode, split_factor, x.element_size(), max(sizes), block_k, half, pdl,
+                       num_warps)
     launch(x, [w for w, _ in projections], [s for _, s in projections], outs, plan, up, limit)
     return outs
 
@@ -209,27 +216,30 @@ def _run(x, projections, outs, split_k, block_n, mode, split_factor=1, up=None, 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None = None,
                   out: torch.Tensor | None = None, split_k: int | None = None, block_n: int | None = None, *,
                   mode: str | None = None, split_factor: float = 1,
-                  block_k: int | None = None, half: bool | None = None, pdl: bool | None = None) -> torch.Tensor:
+                  block_k: int | None = None, half: bool | None = None, pdl: bool | None = None,
+                  num_warps: int | None = None) -> torch.Tensor:
     """`x @ dequant(weight).T` in fp32 accumulation, in x's dtype (or written into `out`)."""
     return _run(x, [(weight, scale_inv)], None if out is None else [out], split_k, block_n, mode, split_factor,
-                block_k=block_k, half=half, pdl=pdl)[0]
+                block_k=block_k, half=half, pdl=pdl, num_warps=num_warps)[0]
 
 
 def skinny_linear_multi(x: torch.Tensor, projections, outs=None, *, split_k: int | None = None,
                         block_n: int | None = None, mode: str | None = None,
                         split_factor: float = 1, block_k: int | None = None,
-                        half: bool | None = None, pdl: bool | None = None) -> list[torch.Tensor]:
+                        half: bool | None = None, pdl: bool | None = None,
+                        num_warps: int | None = None) -> list[torch.Tensor]:
     """`[x @ dequant(w).T for w, scale_inv in projections]` (at most 6, equal K) in one launch."""
-    return _run(x, projections, outs, split_k, block_n, mode, split_factor, block_k=block_k, half=half, pdl=pdl)
+    return _run(x, projections, outs, split_k, block_n, mode, split_factor, block_k=block_k, half=half, pdl=pdl,
+                num_warps=num_warps)
 
 
 def gate_up_swiglu(x: torch.Tensor, gate_w: torch.Tensor, gate_s: torch.Tensor | None, up_w: torch.Tensor,
                    up_s: torch.Tensor | None, limit: float, out: torch.Tensor | None = None, *,
                    split_k: int | None = None, block_n: int | None = None, mode: str | None = None,
                    split_factor: float = 1, block_k: int | None = None, half: bool | None = None,
-                   pdl: bool | None = None) -> torch.Tensor:
+                   pdl: bool | None = None, num_warps: int | None = None) -> torch.Tensor:
     """`silu(min(g, limit)) * clamp(u, -limit, limit)`, g = x @ gate.T, u = x @ up.T, in x's dtype."""
     if up_w.shape != gate_w.shape or up_w.dtype != gate_w.dtype:
         raise ValueError("gate and up weights must share shape and dtype")
     return _run(x, [(gate_w, gate_s)], None if out is None else [out], split_k, block_n, mode, split_factor,
-                up=(up_w, up_s), limit=limit, block_k=block_k, half=half, pdl=pdl)[0]
+                up=(up_w, up_s), limit=limit, block_k=block_k, half=half, pdl=pdl, num_warps=num_warps)[0]
