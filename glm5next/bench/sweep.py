@@ -54,6 +54,7 @@ VARIANTS = {
     "pdl-split-2x": dict(pdl=True, split_factor=2),
     "pdl-no-prefetch": dict(pdl=True),
     "pdl-prefetch-8mb": dict(pdl=True),
+    "pdl-late": dict(pdl="late"),
     "bn32": dict(block_n=32),
     "bn16": dict(block_n=16),
     "bn32-split-half": dict(block_n=32, split_factor=0.5),
@@ -66,9 +67,10 @@ weights at up to 16 rows, their tiles through tensor descriptors), "dot" the sam
 (and the full split for gated calls), "fp16"/"bf16" force the product type at every row count (FP8
 weights only: skipped for BF16 cases), "swap*" multiply W @ x.T (the weight tile as the left, register
 operand), "tma*" load FP8 weight tiles through tensor descriptors, "pdl*" launch as programmatic
-dependents (the weight prefetch capped by `SETTINGS`), "bn*" narrower output tiles (more programs on
-small matrices), "split-N" exactly N K splits (fewer where N exceeds the K steps),
-"warps-8*" 8 warps per program (more independent warps per scheduler)."""
+dependents (the weight prefetch capped by `SETTINGS`; "pdl-late" releases the next launch only after
+the products), "bn*" narrower output tiles (more programs on small matrices), "split-N" exactly N K
+splits (fewer where N exceeds the K steps), "warps-8*" 8 warps per program (more independent warps
+per scheduler)."""
 SETTINGS = {
     "pdl-no-prefetch": (linear_kernel, "PREFETCH_BYTES", 0),
     "pdl-prefetch-8mb": (linear_kernel, "PREFETCH_BYTES", 8 << 20),

@@ -50,6 +50,7 @@ CANDIDATES: dict[str, dict] = {
     "swap-block-n-128": dict(mode="swap", block_n=128),
     "tma": dict(mode="tma"),
     "pdl": dict(pdl=True),
+    "pdl-late": dict(pdl="late"),
     "warps-8": dict(num_warps=8),
 }
 """Launch variants worth timing per call site (keyword overrides of every entry point). `split_factor`
@@ -57,7 +58,8 @@ scales the heuristic's split (rounded, at least 1); "gemv" (no tensor cores) app
 `block_k` 256 streams two FP8 scale blocks per step; "fp16-products" / "bf16-products" multiply FP8 weights in
 fp16 / bf16 whatever the row count (see `LaunchPlan.half`); "swap" multiplies W @ x.T (see `LaunchPlan.swap`);
 "tma" loads FP8 weight tiles through tensor descriptors (see `LaunchPlan.tma`; other weights as "dot"); "pdl"
-launches as a programmatic dependent that prefetches its weights into L2 (see `LaunchPlan.pdl`); "warps-8" runs
+launches as a programmatic dependent that prefetches its weights into L2 (see `LaunchPlan.pdl`), "pdl-late" the
+same letting the next kernel start only once its products are done (`LaunchPlan.pdl_late`); "warps-8" runs
 8 warps per program."""
 PDL = False
 """Whether plans launch as programmatic dependents when the caller does not say (`pdl` None)."""
@@ -77,7 +79,7 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
                 gated: bool = False, split_k: int | None = None, block_n: int | None = None,
                 mode: str | None = None, split_factor: float = 1, x_bytes: int = 2,
                 widest_bytes: int | None = None, block_k: int | None = None,
-                half: bool | None = None, pdl: bool | None = None, num_warps: int | None = None) -> LaunchPlan:
+                half: bool | None = None, pdl: bool | str | None = None, num_warps: int | None = None) -> LaunchPlan:
     """Launch parameters for M rows against weights with output widths `ns` and depth K
     (`weight_bytes`: the smallest weight element size; `widest_bytes`: the largest, default the same).
 
@@ -93,10 +95,13 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
     call takes half the split: the H200 sweep of 2026-12-04 measured the dense gate|up at 1-16 rows
     37 -> 33 us, the other shapes equal or up to 4 % faster. CPU: the same rules with BLOCK_K 64,
     4 "SMs" and 1 K step per split. `pdl` (None: the module's `PDL`) asks for a programmatic
-    dependent launch where the device has one (`LaunchPlan.pdl`). `num_warps` (4 or 8) overrides the
+    dependent launch where the device has one (`LaunchPlan.pdl`); "late" does so with the next kernel
+    released only after the products (`LaunchPlan.pdl_late`). `num_warps` (4 or 8) overrides the
     warps per program (default 4, 8 for gated calls at 64 rows).
     """
     gpu = device_type != "cpu"
+    if pdl not in (None, False, True, "late"):
+        raise ValueError(f"pdl must be a bool or 'late', got {pdl!r}")
     if num_warps not in (None, 4, 8):
         raise ValueError(f"num_warps must be 4 or 8, got {num_warps}")
     if mode not in (None, "dot", "gemv", "swap", "tma"):
@@ -150,7 +155,7 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
     warps = num_warps or (8 if (bm >= 64 and gated) else 4)
     return LaunchPlan(bm, bn, bk, split, use_dot, num_warps=warps, num_stages=stages,
                       f32_sub_k=(32 if bm <= 16 else 16) if gpu else bk, swap=mode == "swap",
-                      tma=tma, half=half, pdl=PDL if pdl is None else bool(pdl))
+                      tma=tma, half=half, pdl=PDL if pdl is None else bool(pdl), pdl_late=pdl == "late")
 
 
 def _check_x(x: torch.Tensor) -> None:
@@ -216,7 +221,7 @@ def _run(x, projections, outs, split_k, block_n, mode, split_factor=1, up=None, 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None = None,
                   out: torch.Tensor | None = None, split_k: int | None = None, block_n: int | None = None, *,
                   mode: str | None = None, split_factor: float = 1,
-                  block_k: int | None = None, half: bool | None = None, pdl: bool | None = None,
+                  block_k: int | None = None, half: bool | None = None, pdl: bool | str | None = None,
                   num_warps: int | None = None) -> torch.Tensor:
     """`x @ dequant(weight).T` in fp32 accumulation, in x's dtype (or written into `out`)."""
     return _run(x, [(weight, scale_inv)], None if out is None else [out], split_k, block_n, mode, split_factor,
@@ -226,7 +231,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor
 def skinny_linear_multi(x: torch.Tensor, projections, outs=None, *, split_k: int | None = None,
                         block_n: int | None = None, mode: str | None = None,
                         split_factor: float = 1, block_k: int | None = None,
-                        half: bool | None = None, pdl: bool | None = None,
+                        half: bool | None = None, pdl: bool | str | None = None,
                         num_warps: int | None = None) -> list[torch.Tensor]:
     """`[x @ dequant(w).T for w, scale_inv in projections]` (at most 6, equal K) in one launch."""
     return _run(x, projections, outs, split_k, block_n, mode, split_factor, block_k=block_k, half=half, pdl=pdl,
@@ -237,7 +242,7 @@ def gate_up_swiglu(x: torch.Tensor, gate_w: torch.Tensor, gate_s: torch.Tensor |
                    up_s: torch.Tensor | None, limit: float, out: torch.Tensor | None = None, *,
                    split_k: int | None = None, block_n: int | None = None, mode: str | None = None,
                    split_factor: float = 1, block_k: int | None = None, half: bool | None = None,
-                   pdl: bool | None = None, num_warps: int | None = None) -> torch.Tensor:
+                   pdl: bool | str | None = None, num_warps: int | None = None) -> torch.Tensor:
     """`silu(min(g, limit)) * clamp(u, -limit, limit)`, g = x @ gate.T, u = x @ up.T, in x's dtype."""
     if up_w.shape != gate_w.shape or up_w.dtype != gate_w.dtype:
         raise ValueError("gate and up weights must share shape and dtype")

@@ -70,6 +70,10 @@ class LaunchPlan:
     """Launch as a programmatic dependent (`glm5next.kernels.pdl`): the programs start while the
     previous kernel finishes and first pull the leading K steps of their weight tiles into L2 (as
     many as keep a launch's prefetch within `PREFETCH_BYTES`), then wait for it."""
+    pdl_late: bool = False
+    """With `pdl`, release the next kernel only once a program's products are done (before its split-K
+    epilogue) instead of at its start, so the next launch's programs do not take SM slots and L2 while
+    this one still streams its weights."""
 
 
 PREFETCH_BYTES = 32 << 20
@@ -216,12 +220,14 @@ def _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, local, pid_k, 
              num_tiles, limit, s_stride, w_ptr, s_ptr, w2_ptr, s2_ptr, o_ptr, stride_om, N, r_ptr, r2_ptr, pf_iters,
              IS_FP8: tl.constexpr, F32: tl.constexpr, TWO: tl.constexpr, SPLIT: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
-             F32_SUB: tl.constexpr, HALF: tl.constexpr, SWAP: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr):
+             F32_SUB: tl.constexpr, HALF: tl.constexpr, SWAP: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr,
+             PDL_LATE: tl.constexpr):
     """One program's share of one projection: tile `local` of it, K split `pid_k`. With PDL it first lets
-    the next kernel start, prefetches its weight tiles' first pf_iters K steps (from the plain pointers
-    r_ptr / r2_ptr) and waits for the previous kernel."""
+    the next kernel start (with PDL_LATE only after its products), prefetches its weight tiles' first
+    pf_iters K steps (from the plain pointers r_ptr / r2_ptr) and waits for the previous kernel."""
     if PDL:
-        launch_dependents()
+        if not PDL_LATE:
+            launch_dependents()
         if pf_iters > 0:
             _prefetch_tile(r_ptr, local, pid_k, N, K, ITERS, pf_iters, BLOCK_N, BLOCK_K)
             if TWO:
@@ -243,6 +249,8 @@ def _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, local, pid_k, 
             acc, acc2 = _accumulate(x_ptr, stride_xm, M, K, w_ptr, s_ptr, w2_ptr, s2_ptr, s_stride, n0, N, it0,
                                     n_it, IS_FP8, F32, TWO, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, False,
                                     SWAP, TMA)
+    if PDL and PDL_LATE:
+        launch_dependents()
     if SPLIT:
         TILE: tl.constexpr = BLOCK_M * BLOCK_N
         PARTS: tl.constexpr = 2 if TWO else 1
@@ -282,7 +290,7 @@ def skinny_kernel(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, ws_ptr, cnt_ptr
                   NUM: tl.constexpr, FP8_MASK: tl.constexpr, F32_MASK: tl.constexpr, TWO: tl.constexpr,
                   SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   USE_DOT: tl.constexpr, F32_SUB: tl.constexpr, HALF: tl.constexpr, SWAP: tl.constexpr,
-                  TMA: tl.constexpr, PDL: tl.constexpr):
+                  TMA: tl.constexpr, PDL: tl.constexpr, PDL_LATE: tl.constexpr):
     """Grid (num_tiles, split). Projection p owns tiles [T_p, T_{p+1}) (T_0 = 0, T_NUM = num_tiles);
     bit p of FP8_MASK / F32_MASK says whether its weight is FP8 / whether it multiplies in fp32.
     With TWO (one projection only) projection 0 is the gate and up_w/up_s the up weight. With TMA every
@@ -293,37 +301,37 @@ def skinny_kernel(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, ws_ptr, cnt_ptr
     if tile < T1:
         _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile, pid_k, ws_ptr, cnt_ptr, num_tiles,
                  limit, s_stride, w0, s0, up_w, up_s, o0, so0, N0, r0, up_r, pf_iters, FP8_MASK & 1, F32_MASK & 1, TWO,
-                 SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, HALF, SWAP, TMA, PDL)
+                 SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE)
     if NUM > 1:
         if (tile >= T1) & (tile < T2):
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T1, pid_k, ws_ptr, cnt_ptr,
                      num_tiles, limit, s_stride, w1, s1, w1, s1, o1, so1, N1, r1, r1, pf_iters,
                      (FP8_MASK >> 1) & 1, (F32_MASK >> 1) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
-                     F32_SUB, HALF, SWAP, TMA, PDL)
+                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE)
     if NUM > 2:
         if (tile >= T2) & (tile < T3):
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T2, pid_k, ws_ptr, cnt_ptr,
                      num_tiles, limit, s_stride, w2, s2, w2, s2, o2, so2, N2, r2, r2, pf_iters,
                      (FP8_MASK >> 2) & 1, (F32_MASK >> 2) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
-                     F32_SUB, HALF, SWAP, TMA, PDL)
+                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE)
     if NUM > 3:
         if (tile >= T3) & (tile < T4):
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T3, pid_k, ws_ptr, cnt_ptr,
                      num_tiles, limit, s_stride, w3, s3, w3, s3, o3, so3, N3, r3, r3, pf_iters,
                      (FP8_MASK >> 3) & 1, (F32_MASK >> 3) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
-                     F32_SUB, HALF, SWAP, TMA, PDL)
+                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE)
     if NUM > 4:
         if (tile >= T4) & (tile < T5):
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T4, pid_k, ws_ptr, cnt_ptr,
                      num_tiles, limit, s_stride, w4, s4, w4, s4, o4, so4, N4, r4, r4, pf_iters,
                      (FP8_MASK >> 4) & 1, (F32_MASK >> 4) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
-                     F32_SUB, HALF, SWAP, TMA, PDL)
+                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE)
     if NUM > 5:
         if tile >= T5:
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T5, pid_k, ws_ptr, cnt_ptr,
                      num_tiles, limit, s_stride, w5, s5, w5, s5, o5, so5, N5, r5, r5, pf_iters,
                      (FP8_MASK >> 5) & 1, (F32_MASK >> 5) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
-                     F32_SUB, HALF, SWAP, TMA, PDL)
+                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE)
 
 
 def tile_counters(device: torch.device) -> torch.Tensor:
@@ -410,5 +418,5 @@ def launch(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tens
         pf_iters, *raw,
         NUM=len(weights), FP8_MASK=fp8_mask, F32_MASK=f32_mask, TWO=up is not None, SPLIT=split > 1,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_DOT=plan.use_dot, F32_SUB=min(plan.f32_sub_k, bk), HALF=plan.half,
-        SWAP=plan.swap, TMA=tma, PDL=pdl, num_warps=plan.num_warps, num_stages=plan.num_stages,
+        SWAP=plan.swap, TMA=tma, PDL=pdl, PDL_LATE=pdl and plan.pdl_late, num_warps=plan.num_warps, num_stages=plan.num_stages,
         **({"launch_pdl": True} if pdl else {}))
