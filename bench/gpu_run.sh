@@ -65,8 +65,9 @@ for step in "$@"; do
             # The boundary's (block_t, chunk) tilings at the given token counts, with the module's defaults.
             t=${step#sweep-boundary}
             t=${t#:}
+            # (SWEEP_ARGS narrows the tilings, e.g. "--block-t 1 --chunks 32,64,128": about 14 s each, mostly compiling.)
             run sweep-boundary 300 python -m glm5next.bench.sweep --skip-linear --skip-probe --t "${t:-1,4,8,16}" \
-                --out "$OUT/sweep-boundary.json" ;;
+                --out "$OUT/sweep-boundary.json" ${SWEEP_ARGS:-} ;;
         ncu | ncu:*)
             # The details page (throughput, stall reasons, occupancy) and the per-instruction SASS counters as
             # text; the report itself stays under $OUT as ncu.ncu-rep.

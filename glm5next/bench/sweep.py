@@ -222,7 +222,7 @@ def probe_reads(device, bandwidth: float, replays: int) -> list[dict]:
     return rows
 
 
-def sweep_boundary(device, t_values, replays: int) -> list[dict]:
+def sweep_boundary(device, t_values, replays: int, block_ts=(1, 2, 4), chunks=(32, 64, 128, 256, 512)) -> list[dict]:
     D, n = 4096, 4
     w = (2 + n) * n
     rows = []
@@ -238,10 +238,10 @@ def sweep_boundary(device, t_values, replays: int) -> list[dict]:
         comb = torch.full((T, n, n), 1.0 / n, device=device)
         bufs = [torch.empty(T, n, D, device=device, dtype=torch.bfloat16), torch.empty(T, n, device=device),
                 torch.empty(T, n, n, device=device), torch.empty(T, D, device=device, dtype=torch.bfloat16)]
-        for block_t in (1, 2, 4):
+        for block_t in block_ts:
             if block_t > T:
                 continue
-            for chunk in (32, 64, 128, 256, 512):
+            for chunk in chunks:
                 def run(block_t=block_t, chunk=chunk):
                     for mx in mixers:
                         mhc_boundary(out, streams, post, comb, *mx, **kw, new_streams=bufs[0], new_post=bufs[1],
@@ -322,6 +322,8 @@ def main(argv=None) -> None:
     p.add_argument("--skip-boundary", action="store_true")
     p.add_argument("--skip-probe", action="store_true")
     p.add_argument("--boundary-parts", action="store_true", help="time the boundary's parts at --t")
+    p.add_argument("--block-t", default="1,2,4", help="the boundary tilings' token blocks")
+    p.add_argument("--chunks", default="32,64,128,256,512", help="the boundary tilings' chunks of the hidden size")
     p.add_argument("--variants", default=None, help=f"comma-separated subset of {', '.join(VARIANTS)}")
     p.add_argument("--cases", default=None, help=f"comma-separated subset of {', '.join(SHAPES)}")
     p.add_argument("--out", default=None)
@@ -339,7 +341,8 @@ def main(argv=None) -> None:
     if a.boundary_parts:
         rows += boundary_parts(device, [int(t) for t in a.t.split(",")], a.replays)
     if not a.skip_boundary:
-        rows += sweep_boundary(device, [int(t) for t in a.t.split(",")], a.replays)
+        rows += sweep_boundary(device, [int(t) for t in a.t.split(",")], a.replays,
+                               [int(b) for b in a.block_t.split(",")], [int(c) for c in a.chunks.split(",")])
     if not a.skip_linear:
         rows += sweep_linear(device, [int(m) for m in a.m.split(",")], bw["bytes_per_s"], a.replays, variants, cases)
     if a.out:
