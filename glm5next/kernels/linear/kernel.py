@@ -346,17 +346,17 @@ def tile_counters(device: torch.device) -> torch.Tensor:
     return buf
 
 
-def _tma_aligned(weights: list[torch.Tensor]) -> bool:
-    """What a plan's `tma` cannot know from shapes alone: tensor descriptors need 16-byte aligned
-    bases and rows (the plan already holds every weight FP8, the activations 16-bit, BLOCK_K <= 128)."""
+def _aligned16(weights: list[torch.Tensor]) -> bool:
+    """What a plan cannot know from shapes alone: whether every weight's base and rows are 16-byte aligned,
+    as tensor descriptors (`tma`; the plan already holds every weight FP8, the activations 16-bit,
+    BLOCK_K <= 128) and the bulk L2 prefetch of `pdl` (whole 16-byte pieces) need."""
     return all(w.shape[1] * w.element_size() % 16 == 0 and w.data_ptr() % 16 == 0 for w in weights)
 
 
 def _prefetch_iters(weights: list[torch.Tensor], iters: int) -> int:
     """K steps per program a programmatic-dependent launch prefetches: all of them while the launch's
-    weights fit in PREFETCH_BYTES, else that share; none where rows or bases are not 16-byte aligned
-    (the bulk prefetch moves whole 16-byte pieces)."""
-    if not all(w.shape[1] * w.element_size() % 16 == 0 and w.data_ptr() % 16 == 0 for w in weights):
+    weights fit in PREFETCH_BYTES, else that share; none where rows or bases are not 16-byte aligned."""
+    if not _aligned16(weights):
         return 0
     total = sum(w.numel() * w.element_size() for w in weights)
     return iters if total <= PREFETCH_BYTES else iters * PREFETCH_BYTES // total
@@ -387,7 +387,8 @@ def launch(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tens
     else:
         ws = cnt = x
     on_cpu = x.device.type == "cpu"  # the interpreter multiplies bf16 wrongly: widen everything there
-    tma = plan.tma and _tma_aligned(weights + ([] if up is None else [up[0]]))
+    every = weights + ([] if up is None else [up[0]])
+    tma = plan.tma and _aligned16(every)
 
     def operand(w: torch.Tensor):  # with TMA a descriptor (built per call: a CUDA graph keeps its bytes)
         return TensorDescriptor.from_tensor(w, [bn, bk]) if tma else w
@@ -409,7 +410,6 @@ def launch(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tens
         if p < MAX_PROJECTIONS - 1:
             per_proj.append(bounds[p] if p < len(weights) else total)
     up_w, up_s = (x, x) if up is None else (operand(up[0]), up[0] if up[1] is None else up[1])
-    every = weights + ([] if up is None else [up[0]])
     pdl = plan.pdl and _pdl.enabled(x.device)
     pf_iters = _prefetch_iters(every, iters) if pdl else 0
     raw = [x if up is None else up[0]] + [weights[p] if p < len(weights) else x for p in range(MAX_PROJECTIONS)]
@@ -418,5 +418,6 @@ def launch(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tens
         pf_iters, *raw,
         NUM=len(weights), FP8_MASK=fp8_mask, F32_MASK=f32_mask, TWO=up is not None, SPLIT=split > 1,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_DOT=plan.use_dot, F32_SUB=min(plan.f32_sub_k, bk), HALF=plan.half,
-        SWAP=plan.swap, TMA=tma, PDL=pdl, PDL_LATE=pdl and plan.pdl_late, num_warps=plan.num_warps, num_stages=plan.num_stages,
+        SWAP=plan.swap, TMA=tma, PDL=pdl, PDL_LATE=pdl and plan.pdl_late, num_warps=plan.num_warps,
+        num_stages=plan.num_stages,
         **({"launch_pdl": True} if pdl else {}))
