@@ -15,11 +15,8 @@ import argparse
 
 import torch
 
-from ..checkpoint.fp8 import quantize_fp8_blocks
-from ..config import MHC_POST_MULT
 from ..kernels.boundary import mhc_boundary
-from ..kernels.linear import gate_up_swiglu, skinny_linear, skinny_linear_multi
-from .sweep import SHAPES, VARIANTS
+from .sweep import BOUNDARY_KW, SHAPES, VARIANTS, boundary_mixer, boundary_state, project, shape_weights
 
 CASES = ("dsa_group:1", "dsa_group:16", "dense_gate_up:1", "dense_down:1", "dsa_o_proj:1", "boundary:1", "boundary:8")
 """`name:rows` of the profiled launches: a projection of `sweep.SHAPES` at that many rows, or the boundary at
@@ -27,32 +24,17 @@ that many tokens (a plain launch: the profiler serialises kernels, so a programm
 
 
 def _projection(name: str, m: int, device, variant: str = "heuristic"):
-    shapes, gated, storage = SHAPES[name]
+    shapes, _, storage = SHAPES[name]
     if storage != "fp8":
         raise ValueError(f"{name}: only the FP8 cases are profiled")
-    ws = [quantize_fp8_blocks(torch.randn(n, k, device=device)) for n, k in shapes]
-    ups = [quantize_fp8_blocks(torch.randn(n, k, device=device)) for n, k in shapes] if gated else None
+    ws, ups = shape_weights(name, device)
     x = torch.randn(m, shapes[0][1], device=device).to(torch.bfloat16) * 0.1
-    kw = VARIANTS[variant]
-    if gated:
-        return lambda: gate_up_swiglu(x, *ws[0], *ups[0], 10.0, **kw)
-    if len(ws) > 1:
-        return lambda: skinny_linear_multi(x, ws, **kw)
-    return lambda: skinny_linear(x, *ws[0], **kw)
+    return lambda: project(x, ws, ups, **VARIANTS[variant])
 
 
 def _boundary(T: int, device):
-    D, n = 4096, 4
-    w = (2 + n) * n
-    fn = torch.randn(w, n * D, device=device) * 0.015
-    base, scale = torch.randn(w, device=device) * 0.5, torch.rand(3, device=device) + 0.5
-    norm = torch.ones(D, device=device, dtype=torch.bfloat16)
-    out = torch.randn(T, D, device=device).to(torch.bfloat16)
-    streams = torch.randn(T, n, D, device=device).to(torch.bfloat16)
-    post = torch.rand(T, n, device=device) * 2
-    comb = torch.full((T, n, n), 1.0 / n, device=device)
-    kw = dict(hc_eps=1e-6, rms_eps=1e-5, norm_eps=1e-5, sinkhorn_iters=20, post_mult=MHC_POST_MULT, pdl=False)
-    return lambda: mhc_boundary(out, streams, post, comb, fn, base, scale, norm, **kw)
+    state, mixer = boundary_state(T, device), boundary_mixer(device)
+    return lambda: mhc_boundary(*state, *mixer, **BOUNDARY_KW, sinkhorn_iters=20, pdl=False)
 
 
 def main(argv=None) -> None:

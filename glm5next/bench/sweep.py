@@ -116,6 +116,24 @@ def _weight(n: int, k: int, device, storage: str) -> tuple[torch.Tensor, torch.T
     return quantize_fp8_blocks(w)
 
 
+def shape_weights(name: str, device):
+    """Random weights of the `SHAPES` case `name`: ([(w, scale_inv) per projection], the up weights of a
+    gated case or None)."""
+    shapes, gated, storage = SHAPES[name]
+    ws = [_weight(n, k, device, storage) for n, k in shapes]
+    return ws, [_weight(n, k, device, storage) for n, k in shapes] if gated else None
+
+
+def project(x, ws, ups, **kw):
+    """The skinny entry point of a `SHAPES` case: the gated gate|up (clamp 10), the grouped call or one
+    projection, with launch overrides `kw`."""
+    if ups is not None:
+        return gate_up_swiglu(x, *ws[0], *ups[0], 10.0, **kw)
+    if len(ws) > 1:
+        return skinny_linear_multi(x, ws, **kw)
+    return skinny_linear(x, *ws[0], **kw)
+
+
 def _time(fn, calls: int, replays: int) -> float:
     graph = capture(fn)
     return statistics.median(time_replays(graph, replays, 2)) * 1e3 / calls
@@ -128,11 +146,7 @@ def sweep_linear(device, m_values, bandwidth: float, replays: int, variants=None
             continue
         per = sum(n * k for n, k in shapes) * (2 if gated else 1) * (2 if storage == "bf16" else 1)
         copies = max(1, -(-ROTATE_BYTES // per))
-        insts = []
-        for _ in range(copies):
-            ws = [_weight(n, k, device, storage) for n, k in shapes]
-            ups = [_weight(n, k, device, storage) for n, k in shapes] if gated else None
-            insts.append((ws, ups))
+        insts = [shape_weights(name, device) for _ in range(copies)]
         for m in m_values:
             x = torch.randn(m, shapes[0][1], device=device).to(torch.bfloat16) * 0.1
             for variant, kw in VARIANTS.items():
@@ -143,12 +157,7 @@ def sweep_linear(device, m_values, bandwidth: float, replays: int, variants=None
 
                 def run(kw=kw, insts=insts, x=x):
                     for ws, ups in insts:
-                        if gated:
-                            gate_up_swiglu(x, *ws[0], *ups[0], 10.0, **kw)
-                        elif len(ws) > 1:
-                            skinny_linear_multi(x, ws, **kw)
-                        else:
-                            skinny_linear(x, *ws[0], **kw)
+                        project(x, ws, ups, **kw)
 
                 try:
                     us = _time(_setting(variant, run), len(insts), replays)
@@ -222,20 +231,35 @@ def probe_reads(device, bandwidth: float, replays: int) -> list[dict]:
     return rows
 
 
-def sweep_boundary(device, t_values, replays: int, block_ts=(1, 2, 4), chunks=(32, 64, 128, 256, 512)) -> list[dict]:
-    D, n = 4096, 4
+BOUNDARY_D, BOUNDARY_N = 4096, 4
+"""The slice's hidden size and number of mHC streams."""
+BOUNDARY_KW = dict(hc_eps=1e-6, rms_eps=1e-5, norm_eps=1e-5, post_mult=MHC_POST_MULT)
+"""The boundary's epsilons and post multiplier (Sinkhorn's iteration count is each caller's)."""
+
+
+def boundary_mixer(device):
+    """(fn, base, scale, norm weight) of one random mHC mixer and the next sublayer's RMSNorm."""
+    D, n = BOUNDARY_D, BOUNDARY_N
     w = (2 + n) * n
+    return (torch.randn(w, n * D, device=device) * 0.015, torch.randn(w, device=device) * 0.5,
+            torch.rand(3, device=device) + 0.5, torch.ones(D, device=device, dtype=torch.bfloat16))
+
+
+def boundary_state(T: int, device):
+    """(out, streams, post, comb) of T tokens entering a boundary: the sublayer output and the streams."""
+    D, n = BOUNDARY_D, BOUNDARY_N
+    return (torch.randn(T, D, device=device).to(torch.bfloat16), torch.randn(T, n, D, device=device).to(torch.bfloat16),
+            torch.rand(T, n, device=device) * 2, torch.full((T, n, n), 1.0 / n, device=device))
+
+
+def sweep_boundary(device, t_values, replays: int, block_ts=(1, 2, 4), chunks=(32, 64, 128, 256, 512)) -> list[dict]:
+    D, n = BOUNDARY_D, BOUNDARY_N
     rows = []
     copies = 64
-    mixers = [((torch.randn(w, n * D, device=device) * 0.015), torch.randn(w, device=device) * 0.5,
-               torch.rand(3, device=device) + 0.5, torch.ones(D, device=device, dtype=torch.bfloat16))
-              for _ in range(copies)]
-    kw = dict(hc_eps=1e-6, rms_eps=1e-5, norm_eps=1e-5, sinkhorn_iters=20, post_mult=MHC_POST_MULT)
+    mixers = [boundary_mixer(device) for _ in range(copies)]
+    kw = dict(BOUNDARY_KW, sinkhorn_iters=20)
     for T in t_values:
-        out = torch.randn(T, D, device=device).to(torch.bfloat16)
-        streams = torch.randn(T, n, D, device=device).to(torch.bfloat16)
-        post = torch.rand(T, n, device=device) * 2
-        comb = torch.full((T, n, n), 1.0 / n, device=device)
+        out, streams, post, comb = boundary_state(T, device)
         bufs = [torch.empty(T, n, D, device=device, dtype=torch.bfloat16), torch.empty(T, n, device=device),
                 torch.empty(T, n, n, device=device), torch.empty(T, D, device=device, dtype=torch.bfloat16)]
         for block_t in block_ts:
@@ -274,19 +298,13 @@ def boundary_parts(device, t_values, replays: int) -> list[dict]:
     the approximate reciprocal (plain and programmatic),
     the last layer's variant (hc_post, the mean and the final norm: the chunk phase without the mixer
     GEMV, and a finisher without Sinkhorn or collapse) and an empty launch (the graph's cost per kernel)."""
-    D, n = 4096, 4
-    w = (2 + n) * n
+    D, n = BOUNDARY_D, BOUNDARY_N
     copies = 64
-    mixers = [((torch.randn(w, n * D, device=device) * 0.015), torch.randn(w, device=device) * 0.5,
-               torch.rand(3, device=device) + 0.5, torch.ones(D, device=device, dtype=torch.bfloat16))
-              for _ in range(copies)]
-    kw = dict(hc_eps=1e-6, rms_eps=1e-5, norm_eps=1e-5, post_mult=MHC_POST_MULT)
+    mixers = [boundary_mixer(device) for _ in range(copies)]
+    kw = BOUNDARY_KW
     rows = []
     for T in t_values:
-        out = torch.randn(T, D, device=device).to(torch.bfloat16)
-        streams = torch.randn(T, n, D, device=device).to(torch.bfloat16)
-        post = torch.rand(T, n, device=device) * 2
-        comb = torch.full((T, n, n), 1.0 / n, device=device)
+        out, streams, post, comb = boundary_state(T, device)
         bufs = dict(new_streams=torch.empty(T, n, D, device=device, dtype=torch.bfloat16),
                     new_post=torch.empty(T, n, device=device), new_comb=torch.empty(T, n, n, device=device),
                     x=torch.empty(T, D, device=device, dtype=torch.bfloat16))
@@ -300,7 +318,8 @@ def boundary_parts(device, t_values, replays: int) -> list[dict]:
                                                 pdl=False)),
             "pdl-div": _div(lambda mx: mhc_boundary(out, streams, post, comb, *mx, **kw, sinkhorn_iters=20,
                                                     **bufs, pdl=True)),
-            "last": lambda mx: mhc_last(out, streams, post, comb, mx[3], norm_eps=1e-5, hidden=bufs["x"], pdl=False),
+            "last": lambda mx: mhc_last(out, streams, post, comb, mx[3], norm_eps=kw["norm_eps"], hidden=bufs["x"],
+                                          pdl=False),
             "empty": lambda mx: _empty[(1,)](out),
         }
         for name, fn in parts.items():
