@@ -218,3 +218,14 @@ def test_sinkhorn_form_by_device(monkeypatch):
     monkeypatch.setattr(fused, "SINKHORN_RCP", True)
     monkeypatch.setattr(fused, "SINKHORN_IN_REGISTERS", True)
     assert fused.plan(3, 100, N, on_gpu=False)["SK4"] == 1
+
+
+def test_gpu_chunk_by_token_count():
+    """On the GPU one token per program up to 32 tokens, and the chunk of the hidden size the H200
+    sweep chose per token count; an explicit chunk wins."""
+    plans = {T: fused.plan(T, 4096, N, on_gpu=True) for T in (1, 2, 4, 5, 6, 7, 16, 17)}
+    chunk = {T: p["SUB"] * p["NSUB"] for T, p in plans.items()}
+    assert chunk == {1: 64, 2: 32, 4: 32, 5: 64, 6: 64, 7: 128, 16: 128, 17: 256}
+    assert all(fused.plan(T, 4096, N, on_gpu=True)["BT"] == 1 for T in (1, 8, 32))
+    p = fused.plan(4, 4096, N, on_gpu=True, chunk=128)
+    assert p["SUB"] * p["NSUB"] == 128 and p["NC"] == 32

@@ -354,6 +354,9 @@ def test_gpu_plans_fill_the_machine():
     assert plan_launch(3, [4096], 8192, 2, num_warps=8).num_warps == 8
     with pytest.raises(ValueError, match="num_warps"):
         plan_launch(3, [4096], 8192, 2, num_warps=6)
+    assert plan_launch(3, [4096], 8192, 1, num_stages=3).num_stages == 3
+    with pytest.raises(ValueError, match="num_stages"):
+        plan_launch(3, [4096], 8192, 1, num_stages=6)
     late = plan_launch(3, [4096], 8192, 2, pdl="late")
     assert late.pdl and late.pdl_late and not plan_launch(3, [4096], 8192, 2, pdl=True).pdl_late
     with pytest.raises(ValueError, match="pdl"):

@@ -61,6 +61,8 @@ VARIANTS = {
     **{f"split-{k}": dict(split_k=k) for k in (1, 2, 3, 4, 5, 6, 7, 8, 11, 16)},
     "warps-8": dict(num_warps=8),
     "warps-8-split-2x": dict(num_warps=8, split_factor=2),
+    **{f"stages-{k}": dict(num_stages=k) for k in (2, 3, 4)},
+    **{f"stages-{k}-split-{f}x": dict(num_stages=k, split_factor=f) for k in (3, 4) for f in (2, 3)},
 }
 """Keyword overrides of the skinny kernels; "heuristic" is the default launch (fp16 products for FP8
 weights at up to 16 rows, their tiles through tensor descriptors), "dot" the same with pointer loads
@@ -70,7 +72,8 @@ operand), "tma*" load FP8 weight tiles through tensor descriptors, "pdl*" launch
 dependents (the weight prefetch capped by `SETTINGS`; "pdl-late" releases the next launch only after
 the products), "bn*" narrower output tiles (more programs on small matrices), "split-N" exactly N K
 splits (fewer where N exceeds the K steps), "warps-8*" 8 warps per program (more independent warps
-per scheduler)."""
+per scheduler), "stages-N*" N pipeline stages (less shared memory per program, so more programs per SM,
+with the split raised to fill them)."""
 SETTINGS = {
     "pdl-no-prefetch": (linear_kernel, "PREFETCH_BYTES", 0),
     "pdl-prefetch-8mb": (linear_kernel, "PREFETCH_BYTES", 8 << 20),

@@ -57,7 +57,11 @@ def plan(T: int, D: int, n: int, on_gpu: bool, block_t: int | None = None, chunk
         block_t = (1 if T <= 32 else 2) if on_gpu else min(_p2(T), 8)
     bt = _p2(block_t)
     if chunk is None:
-        chunk = (64 if T <= 4 else 128 if T <= 16 else 256) if on_gpu else min(_p2(D), 1024)
+        # H200 sweep of 2026-12-04 (64 boundaries in a row, programmatic launch, one token per
+        # program): chunk 32 at 2-4 tokens (8.22 us against 8.91 with 64 at T = 4), 64 at 1 and at
+        # 5-6 (10.53 us with 32 at T = 5: 640 programs no longer fit one wave), 128 at 8 (9.49 us).
+        chunk = (64 if T == 1 else 32 if T <= 4 else 64 if T <= 6 else 128 if T <= 16 else 256) if on_gpu \
+            else min(_p2(D), 1024)
     chunk = _p2(chunk)
     # Registers bound the GPU's sub-tile; the interpreter pays per operation, so one sub-tile per chunk.
     sub = min(chunk, max(16, min(64, 2048 // (bt * w)))) if on_gpu else chunk

@@ -79,7 +79,8 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
                 gated: bool = False, split_k: int | None = None, block_n: int | None = None,
                 mode: str | None = None, split_factor: float = 1, x_bytes: int = 2,
                 widest_bytes: int | None = None, block_k: int | None = None,
-                half: bool | None = None, pdl: bool | str | None = None, num_warps: int | None = None) -> LaunchPlan:
+                half: bool | None = None, pdl: bool | str | None = None, num_warps: int | None = None,
+                num_stages: int | None = None) -> LaunchPlan:
     """Launch parameters for M rows against weights with output widths `ns` and depth K
     (`weight_bytes`: the smallest weight element size; `widest_bytes`: the largest, default the same).
 
@@ -87,8 +88,8 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
     row and step), BLOCK_N 64; split-K until about 2 programs per SM, keeping at least 4 K steps
     per split (so the pipeline fills) and the fp32 partial traffic within 1/4 of the weight bytes
     (partials mostly stay in L2), or for FP8 weights at up to 16 rows about 3 programs per SM, rounded
-    down; as many pipeline stages (2-5) as fit about 100 KB of shared
-    memory, so two or more programs share an SM. FP8 weights meet 16-bit activations in fp16
+    down; as many pipeline stages (2-5; at most 4 for FP8 weights at up to 16 rows) as fit about 100 KB
+    of shared memory, so two or more programs share an SM. FP8 weights meet 16-bit activations in fp16
     products at BLOCK_M 16 (up to 16 rows; `half` None), where the H200 sweep measured them 1.3x
     faster than bf16 products; at 64 rows they were slower. Where all weights are FP8 and the
     products fp16 (mode None), the weight tiles come through tensor descriptors ("tma") and a gated
@@ -97,13 +98,15 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
     4 "SMs" and 1 K step per split. `pdl` (None: the module's `PDL`) asks for a programmatic
     dependent launch where the device has one (`LaunchPlan.pdl`); "late" does so with the next kernel
     released only after the products (`LaunchPlan.pdl_late`). `num_warps` (4 or 8) overrides the
-    warps per program (default 4, 8 for gated calls at 64 rows).
+    warps per program (default 4, 8 for gated calls at 64 rows); `num_stages` (2-5) the pipeline stages.
     """
     gpu = device_type != "cpu"
     if pdl not in (None, False, True, "late"):
         raise ValueError(f"pdl must be a bool or 'late', got {pdl!r}")
     if num_warps not in (None, 4, 8):
         raise ValueError(f"num_warps must be 4 or 8, got {num_warps}")
+    if num_stages not in (None, 2, 3, 4, 5):
+        raise ValueError(f"num_stages must be 2 to 5, got {num_stages}")
     if mode not in (None, "dot", "gemv", "swap", "tma"):
         raise ValueError(f"mode must be 'dot', 'swap', 'tma' or 'gemv', got {mode!r}")
     use_dot = mode != "gemv"
@@ -151,7 +154,10 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
     # num_stages - 1 buffers for mma.sync (BLOCK_M <= 32) and num_stages for wgmma (BLOCK_M 64).
     per_stage = bm * bk * x_bytes + (2 if gated else 1) * bn * bk * (widest_bytes or weight_bytes)
     buffers = 100_000 // per_stage
-    stages = max(2, min(5, buffers if bm >= 64 else buffers + 1))
+    # FP8 weights at up to 16 rows: at most 4 stages (the H200 sweep of 2026-12-04, 4 against 5 at 1 row:
+    # dense gate|up 31.2 -> 30.4 us, down 18.6 -> 17.7, DSA o_proj 23.3 -> 22.1, q_b 14.0 -> 12.8).
+    most = 4 if gpu and weight_bytes == 1 and bm == 16 else 5
+    stages = num_stages or max(2, min(most, buffers if bm >= 64 else buffers + 1))
     warps = num_warps or (8 if (bm >= 64 and gated) else 4)
     return LaunchPlan(bm, bn, bk, split, use_dot, num_warps=warps, num_stages=stages,
                       f32_sub_k=(32 if bm <= 16 else 16) if gpu else bk, swap=mode == "swap",
@@ -199,7 +205,7 @@ def _outputs(x: torch.Tensor, ns: list[int], outs) -> list[torch.Tensor]:
 
 
 def _run(x, projections, outs, split_k, block_n, mode, split_factor=1, up=None, limit=0.0, block_k=None,
-         half=None, pdl=None, num_warps=None):
+         half=None, pdl=None, num_warps=None, num_stages=None):
     _check_x(x)
     projections = list(projections)
     if not 1 <= len(projections) <= MAX_PROJECTIONS:
@@ -213,7 +219,7 @@ def _run(x, projections, outs, split_k, block_n, mode, split_factor=1, up=None, 
     sizes = [w.element_size() for w, _ in projections]
     plan = plan_launch(x.shape[0], ns, x.shape[1], min(sizes), x.device.type, _sm_count(x.device), up is not None,
                        split_k, block_n, mode, split_factor, x.element_size(), max(sizes), block_k, half, pdl,
-                       num_warps)
+                       num_warps, num_stages)
     launch(x, [w for w, _ in projections], [s for _, s in projections], outs, plan, up, limit)
     return outs
 
@@ -222,29 +228,31 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor
                   out: torch.Tensor | None = None, split_k: int | None = None, block_n: int | None = None, *,
                   mode: str | None = None, split_factor: float = 1,
                   block_k: int | None = None, half: bool | None = None, pdl: bool | str | None = None,
-                  num_warps: int | None = None) -> torch.Tensor:
+                  num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """`x @ dequant(weight).T` in fp32 accumulation, in x's dtype (or written into `out`)."""
     return _run(x, [(weight, scale_inv)], None if out is None else [out], split_k, block_n, mode, split_factor,
-                block_k=block_k, half=half, pdl=pdl, num_warps=num_warps)[0]
+                block_k=block_k, half=half, pdl=pdl, num_warps=num_warps, num_stages=num_stages)[0]
 
 
 def skinny_linear_multi(x: torch.Tensor, projections, outs=None, *, split_k: int | None = None,
                         block_n: int | None = None, mode: str | None = None,
                         split_factor: float = 1, block_k: int | None = None,
                         half: bool | None = None, pdl: bool | str | None = None,
-                        num_warps: int | None = None) -> list[torch.Tensor]:
+                        num_warps: int | None = None, num_stages: int | None = None) -> list[torch.Tensor]:
     """`[x @ dequant(w).T for w, scale_inv in projections]` (at most 6, equal K) in one launch."""
     return _run(x, projections, outs, split_k, block_n, mode, split_factor, block_k=block_k, half=half, pdl=pdl,
-                num_warps=num_warps)
+                num_warps=num_warps, num_stages=num_stages)
 
 
 def gate_up_swiglu(x: torch.Tensor, gate_w: torch.Tensor, gate_s: torch.Tensor | None, up_w: torch.Tensor,
                    up_s: torch.Tensor | None, limit: float, out: torch.Tensor | None = None, *,
                    split_k: int | None = None, block_n: int | None = None, mode: str | None = None,
                    split_factor: float = 1, block_k: int | None = None, half: bool | None = None,
-                   pdl: bool | str | None = None, num_warps: int | None = None) -> torch.Tensor:
+                   pdl: bool | str | None = None, num_warps: int | None = None,
+                   num_stages: int | None = None) -> torch.Tensor:
     """`silu(min(g, limit)) * clamp(u, -limit, limit)`, g = x @ gate.T, u = x @ up.T, in x's dtype."""
     if up_w.shape != gate_w.shape or up_w.dtype != gate_w.dtype:
         raise ValueError("gate and up weights must share shape and dtype")
     return _run(x, [(gate_w, gate_s)], None if out is None else [out], split_k, block_n, mode, split_factor,
-                up=(up_w, up_s), limit=limit, block_k=block_k, half=half, pdl=pdl, num_warps=num_warps)[0]
+                up=(up_w, up_s), limit=limit, block_k=block_k, half=half, pdl=pdl, num_warps=num_warps,
+                num_stages=num_stages)[0]
