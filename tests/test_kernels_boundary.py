@@ -229,3 +229,29 @@ def test_gpu_chunk_by_token_count():
     assert all(fused.plan(T, 4096, N, on_gpu=True)["BT"] == 1 for T in (1, 8, 32))
     p = fused.plan(4, 4096, N, on_gpu=True, chunk=128)
     assert p["SUB"] * p["NSUB"] == 128 and p["NC"] == 32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_finisher_token_by_token(monkeypatch, dtype):
+    """Blocks of several tokens whose finisher collapses and normalises one token at a time with the
+    row in registers (the GPU's form for blocks of 2+), at an odd token count that leaves the last
+    block part-empty, for the boundary, the first layer and the last."""
+    monkeypatch.setattr(fused, "FINISH_BY_TOKEN", True)
+    T, D = 5, 136
+    p = fused.plan(T, D, N, False, block_t=4)
+    assert p["BY_TOKEN"] and p["FIN"] >= D and p["BT"] == 4
+    out, streams, post, comb, hc, norm_w = _case(T, D, dtype, seed=23)
+    tol = 1e-5 if dtype == torch.float32 else 3 * 2.0**-7
+    got = fused.mhc_boundary(out, streams, post, comb, *_mixer(hc), norm_w, **KW, block_t=4, chunk=32,
+                             **_nan_buffers(T, D, dtype))
+    want = ref.mhc_boundary(out, streams, post, comb, *_mixer(hc), norm_w, **KW)
+    for g, w in zip(got, want):
+        _close(g, w, tol)
+    bufs = _nan_buffers(T, D, dtype)
+    first = fused.mhc_first(out, *_mixer(hc), norm_w, **KW, block_t=4, streams=bufs["new_streams"],
+                            post=bufs["new_post"], comb=bufs["new_comb"], x=bufs["x"])
+    for g, w in zip(first, ref.mhc_first(out, *_mixer(hc), norm_w, **KW)):
+        _close(g, w, tol)
+    hidden = fused.mhc_last(out, streams, post, comb, norm_w, norm_eps=NORM_EPS, block_t=4,
+                            hidden=torch.full((T, D), float("nan"), dtype=dtype))
+    _close(hidden, ref.mhc_last(out, streams, post, comb, norm_w, norm_eps=NORM_EPS), tol)

@@ -10,6 +10,7 @@ boundary plan's defaults; the stage-level numbers come from `glm5next bench --mo
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 
@@ -268,19 +269,22 @@ def sweep_boundary(device, t_values, replays: int, block_ts=(1, 2, 4), chunks=(3
         for block_t in block_ts:
             if block_t > T:
                 continue
-            for chunk in chunks:
+            # Blocks of several tokens: both finishers (tiles stored and re-read, or token by token).
+            for chunk, by_token in itertools.product(chunks, (False, True) if block_t > 1 else (False,)):
                 def run(block_t=block_t, chunk=chunk):
                     for mx in mixers:
                         mhc_boundary(out, streams, post, comb, *mx, **kw, new_streams=bufs[0], new_post=bufs[1],
                                      new_comb=bufs[2], x=bufs[3], block_t=block_t, chunk=chunk)
+                label = f"bt={block_t} chunk={chunk:3d}{' by token' if by_token else ''}"
                 try:
-                    us = _time(run, copies, replays)
+                    us = _time(_with(boundary_kernels, "FINISH_BY_TOKEN", by_token, run), copies, replays)
                 except Exception as e:
-                    print(f"boundary T={T} bt={block_t} chunk={chunk}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    print(f"boundary T={T} {label}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                     torch.cuda.synchronize()
                     continue
-                rows.append(dict(case="boundary", m=T, variant=f"bt{block_t}-c{chunk}", us=us))
-                print(f"boundary        T={T:2d} bt={block_t} chunk={chunk:3d} {us:8.2f} us", flush=True)
+                rows.append(dict(case="boundary", m=T, variant=f"bt{block_t}-c{chunk}{'-token' if by_token else ''}",
+                                 us=us))
+                print(f"boundary        T={T:2d} {label:24s} {us:8.2f} us", flush=True)
     return rows
 
 

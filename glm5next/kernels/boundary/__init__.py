@@ -46,6 +46,12 @@ SINKHORN_RCP = True
 for Sinkhorn's 38 dependent normalisations (the H200 sweep of 2026-12-04 timed 64 boundaries in a row,
 launched as programmatic dependents, at 8.13 -> 7.55 us each at 1 token, 10.07 -> 9.41 us at 8)."""
 
+FINISH_BY_TOKEN: bool | None = False
+"""Whether the finisher of a multi-token block collapses and normalises one token at a time with the
+row in registers (rows up to 4096 wide) instead of storing the collapsed rows and reading them back;
+None: on the GPU. Off until the H200 has timed it (compiled for sm_90 without spills at 2 tokens per
+block); the tiling sweep times both, the tests check it on the CPU."""
+
 
 def plan(T: int, D: int, n: int, on_gpu: bool, block_t: int | None = None, chunk: int | None = None) -> dict:
     """Tile sizes: token block BT, chunk of D per program (SUB * NSUB), finisher tiles NCB and FIN."""
@@ -69,11 +75,14 @@ def plan(T: int, D: int, n: int, on_gpu: bool, block_t: int | None = None, chunk
     # Sinkhorn's form: 0 [n, n] tiles, 1 registers, 2 registers with the approximate reciprocal.
     regs = on_gpu if SINKHORN_IN_REGISTERS is None else SINKHORN_IN_REGISTERS
     sk4 = (2 if on_gpu and SINKHORN_RCP else 1) if regs else 0
+    # The finisher of a block of several tokens: token by token with a whole row in registers, or the
+    # whole block in FIN-wide tiles (the collapsed rows stored, then read back for the norm).
+    by_token = bt > 1 and _p2(D) <= 4096 and (on_gpu if FINISH_BY_TOKEN is None else FINISH_BY_TOKEN)
     return dict(
         ROWS=rows, BT=bt, SUB=sub, NSUB=chunk // sub, NC=nc, NT=triton.cdiv(T, bt),
         NCB=min(_p2(nc), max(1, 1024 // (bt * w))),
-        FIN=min(_p2(D), max(16, 4096 // bt)),
-        SK4=sk4,
+        FIN=_p2(D) if by_token else min(_p2(D), max(16, 4096 // bt)),
+        SK4=sk4, BY_TOKEN=by_token,
     )
 
 

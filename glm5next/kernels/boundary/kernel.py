@@ -8,7 +8,8 @@ squares into a workspace row `part[t, c, :]` (slot a*n + b of the (2+n) x n mixe
 program that draws the last ticket resets the counter (so a CUDA graph can replay the launch)
 and finishes the block: it reduces the partials, computes pre/post/comb (Sinkhorn on registers
 for n = 4), collapses the new streams (hot in L2; read with .cg, past the incoherent L1) with
-the pre weights and applies the RMSNorm, in registers when a row fits in one FIN tile.
+the pre weights and applies the RMSNorm, in registers when a row fits in one FIN tile (with
+BY_TOKEN, one token of the block at a time).
 
 MODE 0: boundary; MODE 1: first layer (the streams are n copies of `out`); MODE 2: last layer
 (the mean of the new streams, then the final RMSNorm: only the sum-of-squares slot is used).
@@ -95,6 +96,7 @@ def _mhc_finish(
     hc_eps, rms_eps, norm_eps, post_mult,
     D: tl.constexpr, N: tl.constexpr, ROWS: tl.constexpr, MODE: tl.constexpr, ITERS: tl.constexpr,
     BT: tl.constexpr, NC: tl.constexpr, NCB: tl.constexpr, FIN: tl.constexpr, SK4: tl.constexpr,
+    BY_TOKEN: tl.constexpr,
 ):
     W: tl.constexpr = ROWS * N
     SSQ: tl.constexpr = (2 + N) * N
@@ -105,7 +107,7 @@ def _mhc_finish(
         # tickets made visible) before the reductions and Sinkhorn below, which then cover their latency.
         d_row = tl.arange(0, FIN)
         w_row = tl.load(w_ptr + d_row, mask=d_row < D, other=0.0).to(tl.float32)
-        if MODE != 2:
+        if MODE != 2 and not BY_TOKEN:
             streams_row = tl.load(
                 new_streams_ptr + (tok[:, None, None] * N + jn[None, :, None]) * D + d_row[None, None, :],
                 mask=tmask[:, None, None] & (d_row < D)[None, None, :], other=0.0, cache_modifier=".cg")
@@ -149,7 +151,22 @@ def _mhc_finish(
             tl.store(new_comb_ptr + tok[:, None, None] * (N * N) + (a - 2) * N + b, cm,
                      mask=tmask[:, None, None] & is_comb)
         # Collapse sum_j pre[j] * streams[j] (cast to the model dtype) and its sum of squares.
-        if FIN >= D:
+        if FIN >= D and BY_TOKEN:
+            # One token at a time, its row in registers: collapse, norm, store.
+            bt_i = tl.arange(0, BT)
+            for u in tl.static_range(BT):
+                t_u = tl.min(tok, axis=0) + u
+                ok = tl.sum(tl.where(bt_i == u, tmask.to(tl.int32), 0), axis=0) > 0
+                pre_u = tl.sum(tl.where(bt_i[:, None] == u, pre, 0.0), axis=0)
+                rm_u = (d_row < D) & ok
+                s_u = tl.load(new_streams_ptr + (t_u * N + jn[:, None]) * D + d_row[None, :],
+                              mask=rm_u[None, :], other=0.0, cache_modifier=".cg")
+                col_u = tl.sum(pre_u[:, None] * s_u.to(tl.float32), axis=0).to(dtype).to(tl.float32)
+                r_u = tl.rsqrt(tl.sum(col_u * col_u, axis=0) / D + norm_eps)
+                y_u = (col_u * r_u).to(dtype).to(tl.float32)
+                tl.store(x_ptr + t_u * D + d_row, (w_row * y_u).to(dtype), mask=rm_u)
+            r = tl.zeros((BT,), tl.float32)
+        elif FIN >= D:
             col = tl.sum(pre[:, :, None] * streams_row.to(tl.float32), axis=1).to(dtype).to(tl.float32)
             r = tl.rsqrt(tl.sum(col * col, axis=1) / D + norm_eps)
         else:
@@ -167,8 +184,9 @@ def _mhc_finish(
                 xsq += col * col
             r = tl.rsqrt(tl.sum(xsq, axis=1) / D + norm_eps)
     if MODE != 2 and FIN >= D:
-        # The whole row is in registers: normalise it there.
-        _norm_store(x_ptr + tok[:, None] * D + d_row[None, :], col, r, w_row, tmask[:, None] & (d_row < D)[None, :])
+        # The whole row is in registers: normalise it there (BY_TOKEN did so token by token above).
+        if not BY_TOKEN:
+            _norm_store(x_ptr + tok[:, None] * D + d_row[None, :], col, r, w_row, tmask[:, None] & (d_row < D)[None, :])
     else:
         tl.debug_barrier()
         for f in tl.static_range(0, D, FIN):
@@ -199,7 +217,7 @@ def mhc_kernel(
     T, hc_eps, rms_eps, norm_eps, post_mult,
     D: tl.constexpr, N: tl.constexpr, ROWS: tl.constexpr, MODE: tl.constexpr, ITERS: tl.constexpr,
     BT: tl.constexpr, SUB: tl.constexpr, NSUB: tl.constexpr, NC: tl.constexpr, NCB: tl.constexpr,
-    FIN: tl.constexpr, SK4: tl.constexpr, PDL: tl.constexpr,
+    FIN: tl.constexpr, SK4: tl.constexpr, BY_TOKEN: tl.constexpr, PDL: tl.constexpr,
 ):
     W: tl.constexpr = ROWS * N
     SSQ: tl.constexpr = (2 + N) * N
@@ -268,5 +286,5 @@ def mhc_kernel(
             tok, tmask, kk,
             fn_ptr, base_ptr, scale_ptr, w_ptr, new_streams_ptr, new_post_ptr, new_comb_ptr, x_ptr, part_ptr,
             hc_eps, rms_eps, norm_eps, post_mult,
-            D, N, ROWS, MODE, ITERS, BT, NC, NCB, FIN, SK4,
+            D, N, ROWS, MODE, ITERS, BT, NC, NCB, FIN, SK4, BY_TOKEN,
         )
