@@ -353,3 +353,23 @@ def test_read_probe_sums_its_tiles(tma, widen):
     out = torch.full((n // bn * split,), float("nan"))
     _read_probe[(n // bn, split)](src, out, k, k // bk // split, split, BN=bn, BK=bk, WIDEN=widen, TMA=tma, STAGES=2)
     assert torch.allclose(out, want, rtol=1e-5)
+
+
+def test_boundary_sweep_sets_each_tiling_during_its_launches(monkeypatch):
+    """The boundary tiling sweep: both finishers for blocks of several tokens (one for single-token
+    blocks), each warp count, block sizes above T skipped, and each module setting in force while its
+    tiling launches and restored afterwards."""
+    import glm5next.bench.sweep as sweep
+
+    seen = []
+    monkeypatch.setattr(sweep, "_time", lambda fn, calls, replays: fn() or 1.0)
+    monkeypatch.setattr(sweep, "boundary_mixer", lambda device: (None, None, None))
+    monkeypatch.setattr(sweep, "boundary_state", lambda T, device: (None,) * 4)
+    monkeypatch.setattr(sweep, "mhc_boundary", lambda *a, **k: seen.append(
+        (k["block_t"], k["chunk"], sweep.boundary_kernels.FINISH_BY_TOKEN, sweep.boundary_kernels.NUM_WARPS)))
+    rows = sweep.sweep_boundary("cpu", [2], 1, block_ts=(1, 2, 4), chunks=(32,), warps=(4, 8))
+    assert [r["variant"] for r in rows] == ["bt1-c32", "bt1-c32-w8", "bt2-c32", "bt2-c32-w8", "bt2-c32-token",
+                                            "bt2-c32-token-w8"]
+    assert sorted(set(seen)) == [(1, 32, False, 4), (1, 32, False, 8), (2, 32, False, 4), (2, 32, False, 8),
+                                 (2, 32, True, 4), (2, 32, True, 8)]
+    assert sweep.boundary_kernels.NUM_WARPS == 4 and sweep.boundary_kernels.FINISH_BY_TOKEN is False

@@ -46,6 +46,8 @@ SINKHORN_RCP = True
 for Sinkhorn's 38 dependent normalisations (the H200 sweep of 2026-12-04 timed 64 boundaries in a row,
 launched as programmatic dependents, at 8.13 -> 7.55 us each at 1 token, 10.07 -> 9.41 us at 8)."""
 
+NUM_WARPS = 4
+"""Warps per program (the finisher's collapse and norm spread over them; Sinkhorn runs on every thread)."""
 FINISH_BY_TOKEN: bool | None = False
 """Whether the finisher of a multi-token block collapses and normalises one token at a time with the
 row in registers (rows up to 4096 wide) instead of storing the collapsed rows and reading them back;
@@ -117,7 +119,7 @@ def _launch(mode, out, streams, post, comb, fn, base, scale, w, new_streams, new
         dummy if new_comb is None else new_comb, x,
         part, _tickets(out.device),
         T, float(hc_eps), float(rms_eps), float(norm_eps), float(post_mult),
-        D=D, N=n, MODE=mode, ITERS=int(sinkhorn_iters), PDL=pdl, **p, num_warps=4,
+        D=D, N=n, MODE=mode, ITERS=int(sinkhorn_iters), PDL=pdl, **p, num_warps=NUM_WARPS,
         **({"launch_pdl": True} if pdl else {}),
     )
 
