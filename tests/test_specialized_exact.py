@@ -44,7 +44,7 @@ def test_boundary_stage_equals_stock(tiny_fp32):
         close(a, b, 1e-5)
 
 
-@pytest.mark.parametrize("choice", ["grouped", "single"])
+@pytest.mark.parametrize("choice", STAGES["kda_proj"])
 def test_projection_routes_equal_stock(tiny_fp32, choice):
     ex = SpecializedDecode(tiny_fp32, policy(kda_proj=choice, dsa_proj=choice), SIZES)
     g = torch.Generator().manual_seed(1)
@@ -82,7 +82,7 @@ def prefilled(model, lens, executor=None):
     return runner, seqs
 
 
-@pytest.mark.parametrize("choice", ["grouped", "single"])
+@pytest.mark.parametrize("choice", STAGES["kda_proj"])
 def test_planned_step_equals_stock_step(tiny_fp32, choice):
     lens = [5, 40, 70]  # the long ones make the indexer drop pools
     planned, p_seqs = prefilled(tiny_fp32, lens, SpecializedDecode(tiny_fp32, policy(kda_proj=choice,
@@ -111,3 +111,40 @@ def test_greedy_tokens_identical_over_64_planned_steps(tiny_fp32):
         runs.append(out)
     assert ex.planned_steps == 64  # every decode step ran the planned path (3 rows padded to 4)
     assert runs[0] == runs[1]
+
+
+def test_projection_case_runs_every_choice_after_its_boundary(tiny_fp32, monkeypatch):
+    """The tuning case of a sublayer's projections runs each choice behind the boundary that feeds
+    it (the group reads the boundary's output) and has the boundaries alone as its `before`;
+    "grouped-early" asks for the programmatic launch of the group, "grouped" leaves it to the default."""
+    import glm5next.kernels.linear as linear_kernels
+    from glm5next.bench import stages
+    from glm5next.config import KDA
+    from glm5next.specialized_decode.boundary import BoundaryStage
+
+    monkeypatch.setattr(stages, "ROTATE_BYTES", 1)  # one copy of each layer
+    case = stages._projection_case(tiny_fp32, 2, KDA, "kda_proj")
+    assert set(case.runs) == set(STAGES["kda_proj"]) | {"stock"} and case.before is not None
+    seen = []
+    boundary_outputs = []
+    multi, stage_call = linear_kernels.skinny_linear_multi, BoundaryStage.__call__
+
+    def record_multi(x, projections, *a, **k):
+        seen.append((choice, k.get("pdl"), any(x is b for b in boundary_outputs)))
+        return multi(x, projections, *a, **k)
+
+    def record_boundary(self, *a):
+        out = stage_call(self, *a)
+        boundary_outputs.append(out[3])
+        return out
+
+    monkeypatch.setattr(linear_kernels, "skinny_linear_multi", record_multi)
+    monkeypatch.setattr(BoundaryStage, "__call__", record_boundary)
+    for choice, run in case.runs.items():
+        run()
+    kda_layers = sum(layer.layer_kind == KDA for layer in tiny_fp32.layers)
+    assert sorted(set(seen)) == [("grouped", None, True), ("grouped-early", True, True)]
+    assert len(seen) == 2 * kda_layers
+    n = len(boundary_outputs)
+    case.before()
+    assert len(boundary_outputs) - n == kda_layers

@@ -3,7 +3,9 @@
 A case runs one stage the way a planned step runs it (the same routed module calls, the same
 stage objects) over every instance the slice has of it — every layer's weights, plus copies where
 one layer's bytes would fit in the 60 MB L2 — so each replay streams its weights from HBM. The
-time of one call is the replay time over the calls captured in it. `glm5next tune-policy` picks
+time of one call is the replay time over the calls captured in it; where a step runs something
+ahead of every call that a choice may overlap (the boundary before a sublayer's projections), the
+case runs that too and subtracts its time alone. `glm5next tune-policy` picks
 the fastest choice per stage and token count from these cases; `glm5next bench --mode specialized`
 reports them beside the bytes each call reads.
 """
@@ -41,6 +43,11 @@ class Case:
     runs: dict[str, Callable[[], None]] = field(default_factory=dict)
     """choice -> one call of each instance, in order."""
     calls: int = 1
+    before: Callable[[], None] | None = None
+    """What a step runs ahead of each call (the same in every run), alone: its time is subtracted, so
+    a choice that overlaps it (a programmatic launch) is credited with the overlap."""
+    before_us: float | None = None
+    """The median time of `before` per call, once measured."""
 
 
 def _nbytes(*tensors) -> int:
@@ -86,21 +93,33 @@ def boundary_case(model, m: int) -> Case:
 
 
 def _projection_case(model, m: int, kind: str, stage: str) -> Case:
-    dev, dt = model.embed_tokens.device, model.embed_tokens.dtype
+    """Each layer's projections as a planned step runs them: right after the fused boundary that
+    produces their input (the group reads the boundary's output; the singles random inputs of their
+    width). The boundaries alone are the case's `before`."""
+    cfg, dev, dt = model.config, model.embed_tokens.device, model.embed_tokens.dtype
     gen = torch.Generator(device=dev).manual_seed(m + 1)
     group_names, single_names = (KDA_GROUP, KDA_SINGLES) if kind == KDA else (DSA_GROUP, DSA_SINGLES)
     layers = [layer for layer in model.layers if layer.layer_kind == kind]
+    boundary = BoundaryStage(cfg)
     calls, total = [], 0
     for layer in layers:
         attn = layer.self_attn
-        x = torch.randn(m, model.config.hidden_size, generator=gen, device=dev).to(dt)
-        mods = [(_get(attn, n), x) for n in group_names]
+        state = (torch.randn(m, cfg.hidden_size, generator=gen, device=dev).to(dt),
+                 torch.randn(m, cfg.hc_mult, cfg.hidden_size, generator=gen, device=dev).to(dt),
+                 torch.rand(m, cfg.hc_mult, generator=gen, device=dev) * 2,
+                 torch.full((m, cfg.hc_mult, cfg.hc_mult), 1.0 / cfg.hc_mult, device=dev))
+        mods = [(_get(attn, n), None) for n in group_names]  # None: the boundary's output
         for n in single_names:
             mod = _get(attn, n)
             mods.append((mod, torch.randn(m, mod.in_features, generator=gen, device=dev).to(dt)))
-        calls.append(mods)
+        calls.append((layer.attn_hc, layer.input_layernorm, state, mods))
         total += sum(_linear_bytes(mod) for mod, _ in mods)
     calls = calls * _copies(total)
+
+    def before():
+        for hc, norm, state, _ in calls:
+            boundary(*state, hc, norm)
+
     runs = {}
     for choice in STAGES[stage] + (STOCK,):
         routes = ProjectionRoutes(layers, Policy({stage: {str(m): choice}}), dt)
@@ -108,13 +127,14 @@ def _projection_case(model, m: int, kind: str, stage: str) -> Case:
 
         def run(table=table, routes=routes):
             with routed(table):
-                for mods in calls:
-                    for mod, x in mods:
-                        mod(x)
+                for hc, norm, state, mods in calls:
+                    x = boundary(*state, hc, norm)[3]
+                    for mod, xin in mods:
+                        mod(x if xin is None else xin)
                     routes.reset()
 
         runs[choice] = run
-    return Case(stage, m, total // len(layers), runs, len(calls))
+    return Case(stage, m, total // len(layers), runs, len(calls), before)
 
 
 def _mlp_case(model, m: int, stage: str) -> Case:
@@ -166,10 +186,20 @@ def stage_cases(model, m: int, stages=None) -> list[Case]:
     return [builders[s]() for s in (stages or STAGES) if has[s]]
 
 
-def time_choice(case: Case, choice: str, replays: int = 20) -> float:
-    """Median microseconds of one call of `choice`, from CUDA-graph replays of every instance."""
-    graph = capture(case.runs[choice])
-    times = [t * 1e3 / case.calls for t in time_replays(graph, replays, 1)]
+def _median_us(fn, calls: int, replays: int) -> float:
+    graph = capture(fn)
+    times = [t * 1e3 / calls for t in time_replays(graph, replays, 1)]
     del graph
     return statistics.median(times)
+
+
+def time_choice(case: Case, choice: str, replays: int = 20) -> float:
+    """Median microseconds of one call of `choice`, from CUDA-graph replays of every instance, less
+    the median of the case's `before` alone where it has one."""
+    us = _median_us(case.runs[choice], case.calls, replays)
+    if case.before is not None:
+        if case.before_us is None:
+            case.before_us = _median_us(case.before, case.calls, replays)
+        us -= case.before_us
+    return us
 

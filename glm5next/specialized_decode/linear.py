@@ -2,8 +2,10 @@
 GEMV kernels during planned steps.
 
 "grouped" runs the projections one sublayer applies to the same input (KDA: q|k|v|b|f_a|g_a;
-DSA: q_a|kv_a|indexer wk) in one launch, and the rest one launch each; "single" runs every
-projection in its own launch. The weights stay where the backbone keeps them.
+DSA: q_a|kv_a|indexer wk) in one launch, and the rest one launch each; "grouped-early" the same with
+the group launched as a programmatic dependent of the kernel before it (in a step, the fused boundary,
+which releases its dependents as it starts), so the group's weights stream into L2 while the boundary
+runs; "single" runs every projection in its own launch. The weights stay where the backbone keeps them.
 """
 
 from __future__ import annotations
@@ -57,14 +59,14 @@ class GroupRoute:
         self._x: torch.Tensor | None = None
         self._outs: list[torch.Tensor] = []
 
-    def member(self, i: int):
-        return lambda x: self._get(i, x)
+    def member(self, i: int, early: bool = False):
+        return lambda x: self._get(i, x, early)
 
-    def _get(self, i: int, x: torch.Tensor) -> torch.Tensor:
+    def _get(self, i: int, x: torch.Tensor, early: bool = False) -> torch.Tensor:
         if self._x is not x:
             from ..kernels.linear import skinny_linear_multi
 
-            self._outs = skinny_linear_multi(x, self.projections)
+            self._outs = skinny_linear_multi(x, self.projections, pdl=True if early else None)
             self._x = x
         return self._outs[i]
 
@@ -99,10 +101,10 @@ class ProjectionRoutes:
         table = {}
         for stage in ("kda_proj", "dsa_proj"):
             choice = self.policy(stage, tokens)
-            if choice == "grouped":
+            if choice in ("grouped", "grouped-early"):
                 for g in self.groups[stage]:
                     for i, m in enumerate(g.members):
-                        table[id(m)] = g.member(i)
+                        table[id(m)] = g.member(i, early=choice == "grouped-early")
                 for m in self.singles[stage]:
                     table[id(m)] = SingleRoute(m)
             elif choice == "single":

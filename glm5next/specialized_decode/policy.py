@@ -26,8 +26,8 @@ STOCK = "stock"
 
 STAGES: dict[str, tuple[str, ...]] = {
     "boundary": ("fused",),
-    "kda_proj": ("grouped", "single"),
-    "dsa_proj": ("grouped", "single"),
+    "kda_proj": ("grouped", "grouped-early", "single"),
+    "dsa_proj": ("grouped", "grouped-early", "single"),
     "dense_mlp": ("fused",),
     "shared_expert": ("fused",),
     "logits_head": ("gemv", "splitk"),

@@ -117,6 +117,19 @@ def test_captured_planned_steps_equal_stock_in_fp32_over_256_steps(model_fp32):
     assert agree / total >= 0.995, agree / total
 
 
+def test_captured_planned_steps_with_the_second_choices_equal_stock_in_fp32(model_fp32):
+    """Every stage's second choice where it has one ("grouped-early": the projection groups launched as
+    programmatic dependents of the boundary; "splitk" for the LM head): captured planned steps equal
+    the stock step over 16 steps."""
+    policy = full_policy(1)
+    assert policy("kda_proj", 1) == "grouped-early" and policy("dsa_proj", 64) == "grouped-early"
+    ex = SpecializedDecode(model_fp32, policy, DEFAULT_CAPTURE_SIZES)
+    planned, stock = prefilled(model_fp32, 5, ex), prefilled(model_fp32, 5)
+    for step, (got, want) in enumerate(teacher_forced([planned, stock], 16)):
+        assert rel(got, want) < 1e-3, step
+    assert planned[0].num_replays == 16
+
+
 @pytest.fixture(scope="module")
 def dense_routing_dir(tmp_path_factory):
     """The small model with every expert selected and no pool dropped: no discrete choice is left for
