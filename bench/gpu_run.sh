@@ -49,8 +49,9 @@ for step in "$@"; do
                 -o faulthandler_timeout=240 --durations=15 $files ;;
         tune:*)
             sizes=${step#tune:}
+            # Each tune step merges into $OUT/policy.json, so tune:1,2,4,8 tune:16,24,32,48,64 leave the whole table.
             run "tune-${sizes//,/-}" 420 python -m glm5next.cli tune-policy --sizes "$sizes" \
-                --out "$OUT/tune-${sizes//,/-}.json" ;;
+                --out "$OUT/policy.json" --merge ;;
         specialized)
             run specialized 420 python -m glm5next.cli bench --mode specialized --out "$OUT/specialized.json" ;;
         speculative)

@@ -373,3 +373,27 @@ def test_boundary_sweep_sets_each_tiling_during_its_launches(monkeypatch):
     assert sorted(set(seen)) == [(1, 32, False, 4), (1, 32, False, 8), (2, 32, False, 4), (2, 32, False, 8),
                                  (2, 32, True, 4), (2, 32, True, 8)]
     assert sweep.boundary_kernels.NUM_WARPS == 4 and sweep.boundary_kernels.FINISH_BY_TOKEN is False
+
+
+def test_tune_merge_keeps_the_sizes_not_measured():
+    """`tune-policy --merge`: the new run's token counts win, the file's others stay (tables and times,
+    in token order); another GPU's file or an unknown choice is refused, naming it."""
+    from glm5next.bench.cli import merge_policy_docs
+    from glm5next.specialized_decode.policy import PolicyError
+
+    old = {"gpu": "NVIDIA H200", "measured": "day 1",
+           "tables": {"boundary": {"1": "fused", "16": "fused", "64": "stock"}, "kda_proj": {"64": "single"}},
+           "times_us": {"boundary": {"1": {"fused": 9.0}, "16": {"fused": 15.0}, "64": {"fused": 30.0}}}}
+    new = {"gpu": "NVIDIA H200", "measured": "day 2", "tables": {"boundary": {"1": "fused", "2": "fused"}},
+           "times_us": {"boundary": {"1": {"fused": 7.5}, "2": {"fused": 8.0}}}}
+    merged = merge_policy_docs(old, new)
+    assert merged["tables"] == {"boundary": {"1": "fused", "2": "fused", "16": "fused", "64": "stock"},
+                                "kda_proj": {"64": "single"}}
+    assert list(merged["tables"]["boundary"]) == ["1", "2", "16", "64"]
+    times = merged["times_us"]["boundary"]
+    assert times["1"] == {"fused": 7.5} and times["16"] == {"fused": 15.0}
+    assert "day 2" in merged["measured"] and "day 1" in merged["measured"]
+    with pytest.raises(PolicyError, match="H100"):
+        merge_policy_docs(dict(old, gpu="NVIDIA H100"), new)
+    with pytest.raises(PolicyError, match="warp"):
+        merge_policy_docs(dict(old, tables={"boundary": {"8": "warp"}}), new)

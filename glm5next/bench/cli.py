@@ -232,14 +232,48 @@ def add_tune_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--merge", action="store_true",
+                   help="keep the token counts of an existing --out file that this run does not measure "
+                        "(tune the sizes in parts)")
     p.set_defaults(func=cmd_tune)
     return p
+
+
+def _load_json(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def merge_policy_docs(old: dict, new: dict) -> dict:
+    """`new` (a tune-policy document) with the token counts it did not measure taken from `old` (an
+    earlier policy document): tables and times, sorted by token count. A GPU other than `new`'s is an
+    error (its tables would not apply)."""
+    from ..specialized_decode.policy import Policy, PolicyError
+
+    if old.get("gpu") not in (None, new.get("gpu")):
+        raise PolicyError(f"it was measured on {old.get('gpu')!r}, this run on {new.get('gpu')!r}")
+    measured = {n for table in new["tables"].values() for n in table}
+    merged = dict(new)
+    for key in ("tables", "times_us"):
+        out = {stage: dict(table) for stage, table in new.get(key, {}).items()}
+        for stage, table in (old.get(key) or {}).items():
+            if not isinstance(table, dict):
+                raise PolicyError(f"{key}[{stage!r}] is not an object")
+            for n, value in table.items():
+                if n not in measured:
+                    out.setdefault(stage, {})[n] = value
+        merged[key] = {stage: dict(sorted(table.items(), key=lambda kv: int(kv[0]))) for stage, table in out.items()}
+    Policy(merged["tables"], source="the merged policy")  # validates what was kept
+    if old.get("measured") and old.get("measured") != new.get("measured"):
+        merged["measured"] = f"{new.get('measured')} (sizes {', '.join(sorted(measured, key=int))}); " \
+                             f"the rest {old['measured']}"
+    return merged
 
 
 def cmd_tune(args) -> int:
     import torch
 
-    from ..specialized_decode.policy import POLICY_DIR, gpu_slug
+    from ..specialized_decode.policy import POLICY_DIR, Policy, PolicyError, gpu_slug
     from .slice import build_slice_model, slice_config
     from .specialized import tune_policy
     from .stock import _versions
@@ -255,6 +289,13 @@ def cmd_tune(args) -> int:
     v = _versions(device)
     doc = policy.to_dict(gpu=name, measured=v["date"], torch=v["torch"], triton=v["triton"],
                          by="glm5next tune-policy on the real-width 8-layer slice", times_us=times)
+    if args.merge and os.path.exists(out):
+        try:
+            Policy.from_file(out)  # a readable, valid policy file, or the error naming what is wrong
+            doc = merge_policy_docs(_load_json(out), doc)
+        except (PolicyError, ValueError) as e:
+            print(f"glm5next tune-policy: cannot merge into {out}: {e}", file=sys.stderr)
+            return 2
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
         json.dump(_clean(doc), f, indent=1)
