@@ -165,7 +165,6 @@ def _mhc_finish(
                 r_u = tl.rsqrt(tl.sum(col_u * col_u, axis=0) / D + norm_eps)
                 y_u = (col_u * r_u).to(dtype).to(tl.float32)
                 tl.store(x_ptr + t_u * D + d_row, (w_row * y_u).to(dtype), mask=rm_u)
-            r = tl.zeros((BT,), tl.float32)
         elif FIN >= D:
             col = tl.sum(pre[:, :, None] * streams_row.to(tl.float32), axis=1).to(dtype).to(tl.float32)
             r = tl.rsqrt(tl.sum(col * col, axis=1) / D + norm_eps)

@@ -134,9 +134,10 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
     if mode is None and tma and gated:
         split_factor = split_factor * 0.5
     k_iters = triton.cdiv(K, bk)
+    fp8_skinny = gpu and weight_bytes == 1 and bm == 16  # FP8 weights at up to 16 rows: their own split and stages
     if split_k is None:
         tiles = sum(triton.cdiv(n, bn) for n in ns)
-        if gpu and weight_bytes == 1 and bm == 16:
+        if fp8_skinny:
             # FP8 weights at up to 16 rows: as many splits as keep about 3 programs per SM without
             # exceeding that (the H200 sweep of 2026-12-04: dense down and DSA o_proj 6 splits, 384
             # programs, against the 5 of a 2-per-SM round-up: 20.2 -> 18.6 and 25.2 -> 23.2 us at 1 row).
@@ -156,8 +157,7 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
     buffers = 100_000 // per_stage
     # FP8 weights at up to 16 rows: at most 4 stages (the H200 sweep of 2026-12-04, 4 against 5 at 1 row:
     # dense gate|up 31.2 -> 30.4 us, down 18.6 -> 17.7, DSA o_proj 23.3 -> 22.1, q_b 14.0 -> 12.8).
-    most = 4 if gpu and weight_bytes == 1 and bm == 16 else 5
-    stages = num_stages or max(2, min(most, buffers if bm >= 64 else buffers + 1))
+    stages = num_stages or max(2, min(4 if fp8_skinny else 5, buffers if bm >= 64 else buffers + 1))
     warps = num_warps or (8 if (bm >= 64 and gated) else 4)
     return LaunchPlan(bm, bn, bk, split, use_dot, num_warps=warps, num_stages=stages,
                       f32_sub_k=(32 if bm <= 16 else 16) if gpu else bk, swap=mode == "swap",
