@@ -165,6 +165,19 @@ def test_new_streams_may_not_alias_streams():
         fused.mhc_boundary(out, streams, post, comb, *_mixer(hc), norm_w, **KW, new_streams=streams)
 
 
+def test_launch_modes():
+    """`pdl` takes None, a bool or "late" (a programmatic launch on a GPU; the CPU runs plainly, the
+    same values); anything else is refused naming it."""
+    out, streams, post, comb, hc, norm_w = _case(2, 64, torch.float32, seed=11)
+    args = (out, streams, post, comb, *_mixer(hc), norm_w)
+    base = fused.mhc_boundary(*args, **KW)
+    for mode in (False, True, "late"):
+        for a, b in zip(base, fused.mhc_boundary(*args, **KW, pdl=mode)):
+            assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="pdl"):
+        fused.mhc_boundary(*args, **KW, pdl="early")
+
+
 def test_perturbing_one_stream_changes_only_its_token():
     T, D = 3, 100
     out, streams, post, comb, hc, norm_w = _case(T, D, torch.float32, seed=13)

@@ -97,6 +97,37 @@ def test_planned_step_equals_stock_step(tiny_fp32, choice):
         close(a[:-1], b[:-1])  # every cache write but the padding row's scratch
 
 
+def test_only_boundaries_before_overlapped_groups_release_late(tiny_fp32, monkeypatch):
+    """With "grouped-overlap" for the KDA projections only, the boundary in front of each KDA
+    attention (layer 0's first boundary included) is asked to release late; the others are not."""
+    from glm5next.config import KDA
+    from glm5next.specialized_decode.boundary import BoundaryStage
+
+    asked = {}
+    call, first = BoundaryStage.__call__, BoundaryStage.first
+
+    def record_call(self, out, streams, post, comb, hc, norm, release_late=False):
+        asked[id(hc)] = release_late
+        return call(self, out, streams, post, comb, hc, norm, release_late)
+
+    def record_first(self, embedded, hc, norm, release_late=False):
+        asked[id(hc)] = release_late
+        return first(self, embedded, hc, norm, release_late)
+
+    monkeypatch.setattr(BoundaryStage, "__call__", record_call)
+    monkeypatch.setattr(BoundaryStage, "first", record_first)
+    ex = SpecializedDecode(tiny_fp32, policy(kda_proj="grouped-overlap", dsa_proj="grouped"), SIZES)
+    runner, seqs = prefilled(tiny_fp32, [5, 9], ex)
+    for i, s in enumerate(seqs):
+        s.token_ids.append(4 + i)
+    asked.clear()
+    runner.step(seqs)
+    assert ex.planned_steps == 1
+    for layer in tiny_fp32.layers:
+        assert asked[id(layer.attn_hc)] == (layer.layer_kind == KDA), layer.layer_idx
+        assert asked[id(layer.ffn_hc)] is False, layer.layer_idx
+
+
 def test_greedy_tokens_identical_over_64_planned_steps(tiny_fp32):
     ex = SpecializedDecode(tiny_fp32, policy(), SIZES)
     lens = [9, 33, 2]
@@ -116,7 +147,8 @@ def test_greedy_tokens_identical_over_64_planned_steps(tiny_fp32):
 def test_projection_case_runs_every_choice_after_its_boundary(tiny_fp32, monkeypatch):
     """The tuning case of a sublayer's projections runs each choice behind the boundary that feeds
     it (the group reads the boundary's output) and has the boundaries alone as its `before`;
-    "grouped-early" asks for the programmatic launch of the group, "grouped" leaves it to the default."""
+    "grouped-early" and "grouped-overlap" ask for the programmatic launch of the group (the latter
+    behind a boundary that releases it late), "grouped" leaves it to the default."""
     import glm5next.kernels.linear as linear_kernels
     from glm5next.bench import stages
     from glm5next.config import KDA
@@ -129,6 +161,8 @@ def test_projection_case_runs_every_choice_after_its_boundary(tiny_fp32, monkeyp
     boundary_outputs = []
     multi, stage_call = linear_kernels.skinny_linear_multi, BoundaryStage.__call__
 
+    releases = []
+
     def record_multi(x, projections, *a, **k):
         seen.append((choice, k.get("pdl"), any(x is b for b in boundary_outputs)))
         return multi(x, projections, *a, **k)
@@ -136,6 +170,7 @@ def test_projection_case_runs_every_choice_after_its_boundary(tiny_fp32, monkeyp
     def record_boundary(self, *a):
         out = stage_call(self, *a)
         boundary_outputs.append(out[3])
+        releases.append((choice, len(a) > 6 and a[6]))
         return out
 
     monkeypatch.setattr(linear_kernels, "skinny_linear_multi", record_multi)
@@ -143,8 +178,10 @@ def test_projection_case_runs_every_choice_after_its_boundary(tiny_fp32, monkeyp
     for choice, run in case.runs.items():
         run()
     kda_layers = sum(layer.layer_kind == KDA for layer in tiny_fp32.layers)
-    assert sorted(set(seen)) == [("grouped", None, True), ("grouped-early", True, True)]
-    assert len(seen) == 2 * kda_layers
+    assert sorted(set(seen)) == [("grouped", None, True), ("grouped-early", True, True), ("grouped-overlap", True, True)]
+    assert len(seen) == 3 * kda_layers
+    assert {c for c, late in releases if late} == {"grouped-overlap"}  # only its boundaries release late
     n = len(boundary_outputs)
+    choice = "before"
     case.before()
-    assert len(boundary_outputs) - n == kda_layers
+    assert len(boundary_outputs) - n == kda_layers and not any(late for _, late in releases[-kda_layers:])

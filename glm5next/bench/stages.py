@@ -24,7 +24,8 @@ from ..model.mhc import hc_post
 from ..model.routing import routed
 from ..specialized_decode.boundary import BoundaryStage
 from ..specialized_decode.dense_mlp import DenseMlpStage
-from ..specialized_decode.linear import DSA_GROUP, DSA_SINGLES, KDA_GROUP, KDA_SINGLES, ProjectionRoutes, _get
+from ..specialized_decode.linear import (DSA_GROUP, DSA_SINGLES, KDA_GROUP, KDA_SINGLES, RELEASE_LATE, ProjectionRoutes,
+                                          _get)
 from ..specialized_decode.logits import LogitsStage
 from ..specialized_decode.policy import STAGES, STOCK, Policy
 from .floor import capture, time_replays
@@ -125,10 +126,10 @@ def _projection_case(model, m: int, kind: str, stage: str) -> Case:
         routes = ProjectionRoutes(layers, Policy({stage: {str(m): choice}}), dt)
         table = routes.table(m)
 
-        def run(table=table, routes=routes):
+        def run(table=table, routes=routes, late=choice in RELEASE_LATE):
             with routed(table):
                 for hc, norm, state, mods in calls:
-                    x = boundary(*state, hc, norm)[3]
+                    x = boundary(*state, hc, norm, late)[3]
                     for mod, xin in mods:
                         mod(x if xin is None else xin)
                     routes.reset()

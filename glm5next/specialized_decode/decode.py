@@ -139,18 +139,19 @@ class LayerStages:
                 return layer.ffn(x, step.ctx), True
         return layer.ffn(x, step.ctx), False
 
-    def boundary(self, hc, norm, out, streams, post, comb):
-        """The previous sublayer's mHC post, then the next sublayer's pre and its norm."""
+    def boundary(self, hc, norm, out, streams, post, comb, release_late: bool = False):
+        """The previous sublayer's mHC post, then the next sublayer's pre and its norm (`release_late`:
+        the fused kernel lets the launch after it start only once its partial products are stored)."""
         if self.boundary_stage is not None and self.policy("boundary", out.shape[0]):
-            return self.boundary_stage(out, streams, post, comb, hc, norm)
+            return self.boundary_stage(out, streams, post, comb, hc, norm, release_late)
         streams = hc_post(out, streams, post, comb)
         x, post, comb = hc.pre(streams)
         return streams, post, comb, norm(x)
 
-    def reduced_boundary(self, hc, norm, out, streams, post, comb):
+    def reduced_boundary(self, hc, norm, out, streams, post, comb, release_late: bool = False):
         """`boundary` of a TP-partial sublayer output: the sum over the ranks, then the boundary. (On
         GPUs the fused kernel is to read the ranks' shares over symmetric memory in the same launch.)"""
-        return self.boundary(hc, norm, all_reduce(out, self.backbone.tp), streams, post, comb)
+        return self.boundary(hc, norm, all_reduce(out, self.backbone.tp), streams, post, comb, release_late)
 
 
 class DraftStages(LayerStages):
@@ -262,16 +263,17 @@ class SpecializedDecode(LayerStages):
     def layer(self, layer, x, partial, streams, post, comb, step: Step):
         """`DecoderLayer.forward` for a planned step; `x` is the previous sublayer's output (or the
         embeddings before layer 0). Returns the next state, or the final hidden states after the last layer."""
+        late = self.projections.release_late(layer, x.shape[0])
         if post is None:
             if self.boundary_stage is not None and self.policy("boundary", x.shape[0]):
-                streams, post, comb, x = self.boundary_stage.first(x, layer.attn_hc, layer.input_layernorm)
+                streams, post, comb, x = self.boundary_stage.first(x, layer.attn_hc, layer.input_layernorm, late)
             else:
                 streams = hc_expand(x, self.text_config.hc_mult)
                 x, post, comb = layer.attn_hc.pre(streams)
                 x = layer.input_layernorm(x)
         else:
             bound = self.reduced_boundary if partial else self.boundary
-            streams, post, comb, x = bound(layer.attn_hc, layer.input_layernorm, x, streams, post, comb)
+            streams, post, comb, x = bound(layer.attn_hc, layer.input_layernorm, x, streams, post, comb, late)
         x, partial = self.attention(layer, x, step)
         bound = self.reduced_boundary if partial else self.boundary
         streams, post, comb, x = bound(layer.ffn_hc, layer.post_attention_layernorm, x, streams, post, comb)

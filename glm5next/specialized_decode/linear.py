@@ -5,7 +5,9 @@ GEMV kernels during planned steps.
 DSA: q_a|kv_a|indexer wk) in one launch, and the rest one launch each; "grouped-early" the same with
 the group launched as a programmatic dependent of the kernel before it (in a step, the fused boundary,
 which releases its dependents as it starts), so the group's weights stream into L2 while the boundary
-runs; "single" runs every projection in its own launch. The weights stay where the backbone keeps them.
+runs; "grouped-overlap" the same with the boundary releasing the group only once its partial products
+are stored, so that prefetch runs beside the boundary's finisher rather than its loads; "single" runs
+every projection in its own launch. The weights stay where the backbone keeps them.
 """
 
 from __future__ import annotations
@@ -21,6 +23,11 @@ KDA_SINGLES = ("f_b_proj", "g_b_proj", "o_proj")
 DSA_GROUP = ("q_a_proj", "kv_a_proj_with_mqa", "indexer.wk")
 DSA_SINGLES = ("q_b_proj", "o_proj", "indexer.wq_b")
 STAGE_OF = {KDA: "kda_proj", DSA: "dsa_proj"}
+GROUPED = ("grouped", "grouped-early", "grouped-overlap")
+EARLY = ("grouped-early", "grouped-overlap")
+"""The choices that launch the group as a programmatic dependent of the boundary before it."""
+RELEASE_LATE = ("grouped-overlap",)
+"""The choices whose boundary releases the group only after its partial products."""
 
 
 def _get(module, path: str):
@@ -70,6 +77,12 @@ class GroupRoute:
             self._x = x
         return self._outs[i]
 
+    def release_late(self, layer, tokens: int) -> bool:
+        """Whether the boundary before `layer`'s attention releases the next launch only after its
+        partial products: its projection group runs "grouped-overlap" at this token count."""
+        stage = self.grouped_layers.get(layer.layer_idx)
+        return stage is not None and self.policy(stage, tokens) in RELEASE_LATE
+
     def reset(self) -> None:
         self._x, self._outs = None, []
 
@@ -82,6 +95,8 @@ class ProjectionRoutes:
         self.groups: dict[str, list[GroupRoute]] = {"kda_proj": [], "dsa_proj": []}
         self.singles: dict[str, list[Linear]] = {"kda_proj": [], "dsa_proj": []}
         self.members: dict[str, list[Linear]] = {"kda_proj": [], "dsa_proj": []}
+        self.grouped_layers: dict[int, str] = {}
+        """layer index -> the stage of its routed projection group."""
         for layer in layers:
             stage = STAGE_OF[layer.layer_kind]
             if not policy.enabled(stage):
@@ -91,6 +106,7 @@ class ProjectionRoutes:
             group = [_get(attn, n) for n in group_names]
             if all(routable(m, dtype) for m in group) and len({m.weight.dtype for m in group}) == 1:
                 self.groups[stage].append(GroupRoute(group))
+                self.grouped_layers[layer.layer_idx] = stage
             else:
                 self.singles[stage] += [m for m in group if routable(m, dtype)]
             self.singles[stage] += [m for m in (_get(attn, n) for n in single_names) if routable(m, dtype)]
@@ -101,16 +117,22 @@ class ProjectionRoutes:
         table = {}
         for stage in ("kda_proj", "dsa_proj"):
             choice = self.policy(stage, tokens)
-            if choice in ("grouped", "grouped-early"):
+            if choice in GROUPED:
                 for g in self.groups[stage]:
                     for i, m in enumerate(g.members):
-                        table[id(m)] = g.member(i, early=choice == "grouped-early")
+                        table[id(m)] = g.member(i, early=choice in EARLY)
                 for m in self.singles[stage]:
                     table[id(m)] = SingleRoute(m)
             elif choice == "single":
                 for m in self.members[stage]:
                     table[id(m)] = SingleRoute(m)
         return table
+
+    def release_late(self, layer, tokens: int) -> bool:
+        """Whether the boundary before `layer`'s attention releases the next launch only after its
+        partial products: its projection group runs "grouped-overlap" at this token count."""
+        stage = self.grouped_layers.get(layer.layer_idx)
+        return stage is not None and self.policy(stage, tokens) in RELEASE_LATE
 
     def reset(self) -> None:
         """Drop the group outputs of the finished step."""

@@ -26,8 +26,8 @@ STOCK = "stock"
 
 STAGES: dict[str, tuple[str, ...]] = {
     "boundary": ("fused",),
-    "kda_proj": ("grouped", "grouped-early", "single"),
-    "dsa_proj": ("grouped", "grouped-early", "single"),
+    "kda_proj": ("grouped", "grouped-early", "grouped-overlap", "single"),
+    "dsa_proj": ("grouped", "grouped-early", "grouped-overlap", "single"),
     "dense_mlp": ("fused",),
     "shared_expert": ("fused",),
     "logits_head": ("gemv", "splitk"),

@@ -109,11 +109,13 @@ def test_graph_replay_matches_eager(T):
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("mode", [True, "late"])
 @pytest.mark.parametrize("T", [1, 5, 64])
-def test_programmatic_chain_in_a_graph_equals_the_plain_chain(T):
+def test_programmatic_chain_in_a_graph_equals_the_plain_chain(T, mode):
     """first -> boundary -> boundary -> last with every launch a programmatic dependent of the one before
-    (each reads what the previous wrote, and prefetches its mixer before waiting for it), captured and
-    replayed with new inputs: every output equals the eager chain of plain launches bit for bit."""
+    (each reads what the previous wrote, and prefetches its mixer before waiting for it; "late": each
+    releases the next only after its partial products), captured and replayed with new inputs: every
+    output equals the eager chain of plain launches bit for bit."""
     g = torch.Generator().manual_seed(200 + T)
     mixers = [_mixer(g) for _ in range(3)]
     emb = torch.randn(T, D, generator=g).to(torch.bfloat16).cuda()
@@ -131,11 +133,11 @@ def test_programmatic_chain_in_a_graph_equals_the_plain_chain(T):
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        chain(True)
+        chain(mode)
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = chain(True)
+        captured = chain(mode)
     for _ in range(3):
         emb.copy_(torch.randn(T, D, generator=g).to(torch.bfloat16))
         for o in outs:

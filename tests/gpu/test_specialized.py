@@ -118,12 +118,14 @@ def test_captured_planned_steps_equal_stock_in_fp32_over_256_steps(model_fp32):
     assert agree / total >= 0.995, agree / total
 
 
-def test_captured_planned_steps_with_the_second_choices_equal_stock_in_fp32(model_fp32):
-    """Every stage's second choice where it has one ("grouped-early": the projection groups launched as
-    programmatic dependents of the boundary; "splitk" for the LM head): captured planned steps equal
+@pytest.mark.parametrize("index, grouped", [(1, "grouped-early"), (2, "grouped-overlap")])
+def test_captured_planned_steps_with_other_choices_equal_stock_in_fp32(model_fp32, index, grouped):
+    """Every stage's second (third) choice where it has one: "grouped-early", the projection groups
+    launched as programmatic dependents of the boundary ("grouped-overlap": of a boundary that
+    releases them after its partial products); "splitk" for the LM head. Captured planned steps equal
     the stock step over 16 steps (5 rows: one captured size, 8, to keep the test short)."""
-    policy = full_policy(1)
-    assert policy("kda_proj", 1) == "grouped-early" and policy("dsa_proj", 64) == "grouped-early"
+    policy = full_policy(index)
+    assert policy("kda_proj", 1) == grouped and policy("dsa_proj", 64) == grouped
     ex = SpecializedDecode(model_fp32, policy, (8,))
     planned, stock = prefilled(model_fp32, 5, ex, (8,)), prefilled(model_fp32, 5, capture_sizes=(8,))
     for step, (got, want) in enumerate(teacher_forced([planned, stock], 16)):

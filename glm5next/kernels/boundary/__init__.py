@@ -68,7 +68,10 @@ def plan(T: int, D: int, n: int, on_gpu: bool, block_t: int | None = None, chunk
         # H200 sweep of 2026-12-04 (64 boundaries in a row, programmatic launch, one token per
         # program): chunk 32 at 2-4 tokens (8.22 us against 8.91 with 64 at T = 4), 64 at 1 and at
         # 5-6 (10.53 us with 32 at T = 5: 640 programs no longer fit one wave), 128 at 8 (9.49 us).
-        chunk = (64 if T == 1 else 32 if T <= 4 else 64 if T <= 6 else 128 if T <= 16 else 256) if on_gpu \
+        # Two-token blocks at 33-48 tokens: chunk 128 (T = 48: 20.78 us against 23.94 with 256), 256 at 64
+        # (24.80 against 26.38).
+        chunk = (64 if T == 1 else 32 if T <= 4 else 64 if T <= 6 else 128 if T <= 16 else 256 if T <= 32
+                 else 128 if T <= 48 else 256) if on_gpu \
             else min(_p2(D), 1024)
     chunk = _p2(chunk)
     # Registers bound the GPU's sub-tile; the interpreter pays per operation, so one sub-tile per chunk.
@@ -109,7 +112,10 @@ def _launch(mode, out, streams, post, comb, fn, base, scale, w, new_streams, new
             raise ValueError("output buffers must be contiguous")
     part = torch.empty(T * p["NC"] * p["ROWS"] * n, dtype=torch.float32, device=out.device)
     dummy = out
+    if pdl not in (None, False, True, "late"):
+        raise ValueError(f"pdl must be a bool or 'late', got {pdl!r}")
     want = PDL if pdl is None else pdl  # None: wherever the device has it
+    late = pdl == "late"
     pdl = want is not False and _pdl.enabled(out.device)
     mhc_kernel[(p["NC"], nt)](
         out, dummy if streams is None else streams, dummy if post is None else post,
@@ -119,7 +125,8 @@ def _launch(mode, out, streams, post, comb, fn, base, scale, w, new_streams, new
         dummy if new_comb is None else new_comb, x,
         part, _tickets(out.device),
         T, float(hc_eps), float(rms_eps), float(norm_eps), float(post_mult),
-        D=D, N=n, MODE=mode, ITERS=int(sinkhorn_iters), PDL=pdl, **p, num_warps=NUM_WARPS,
+        D=D, N=n, MODE=mode, ITERS=int(sinkhorn_iters), PDL=pdl, RELEASE_LATE=pdl and late, **p,
+        num_warps=NUM_WARPS,
         **({"launch_pdl": True} if pdl else {}),
     )
 
@@ -161,7 +168,8 @@ def mhc_boundary(
     new_streams = hc_post(out, streams, post, comb) in the streams' dtype; (pre, new_post,
     new_comb) = the next mixer's weights of the cast new_streams; x = rms_norm(collapse,
     norm_weight, norm_eps) in the model dtype. `fn` [(2+n)n, nD], `base`, `scale` fp32.
-    `pdl` (None: the module's `PDL`) launches it as a programmatic dependent.
+    `pdl` (None: the module's `PDL`) launches it as a programmatic dependent; "late" does so and lets
+    the kernel after it start only once the partial products are stored (before the finisher).
     """
     T, n, D = streams.shape
     _check_mixer(fn, base, scale, n, D)

@@ -14,7 +14,9 @@ BY_TOKEN, one token of the block at a time).
 MODE 0: boundary; MODE 1: first layer (the streams are n copies of `out`); MODE 2: last layer
 (the mean of the new streams, then the final RMSNorm: only the sum-of-squares slot is used).
 With PDL the launch is a programmatic dependent: each program prefetches its chunk of the mixer into
-L2 and then waits for the previous kernel before its first read of an activation.
+L2 and then waits for the previous kernel before its first read of an activation. It lets the next
+kernel start as it begins, or with RELEASE_LATE once its partial products are stored (the finisher,
+a latency-bound chain on one program per token block, then runs beside the next kernel's prefetch).
 """
 
 from __future__ import annotations
@@ -217,6 +219,7 @@ def mhc_kernel(
     D: tl.constexpr, N: tl.constexpr, ROWS: tl.constexpr, MODE: tl.constexpr, ITERS: tl.constexpr,
     BT: tl.constexpr, SUB: tl.constexpr, NSUB: tl.constexpr, NC: tl.constexpr, NCB: tl.constexpr,
     FIN: tl.constexpr, SK4: tl.constexpr, BY_TOKEN: tl.constexpr, PDL: tl.constexpr,
+    RELEASE_LATE: tl.constexpr = False,
 ):
     W: tl.constexpr = ROWS * N
     SSQ: tl.constexpr = (2 + N) * N
@@ -228,9 +231,12 @@ def mhc_kernel(
     tmask = tok < T
     kk = tl.arange(0, W)
     if PDL:
-        # Launched as a programmatic dependent: let the next kernel's programs start, pull this
-        # chunk's mixer rows (constants) into L2 while the previous kernel finishes, then wait for it.
-        _launch_dependents()
+        # Launched as a programmatic dependent: let the next kernel's programs start (with
+        # RELEASE_LATE only once this program's partial products are stored, so the next kernel's own
+        # prefetch does not compete with these loads), pull this chunk's mixer rows (constants) into L2
+        # while the previous kernel finishes, then wait for it.
+        if not RELEASE_LATE:
+            _launch_dependents()
         if MODE != 2 and D % 4 == 0:  # whole 16-byte pieces of fp32 rows
             rows = fn_ptr + kk[:, None] * (N * D) + tl.arange(0, N)[None, :] * D + c * CHUNK
             _prefetch_l2(rows, tl.minimum(CHUNK, D - c * CHUNK) * 4, (kk < SSQ)[:, None])
@@ -278,6 +284,8 @@ def mhc_kernel(
     tl.store(part_ptr + (tok[:, None] * NC + c) * W + kk[None, :], part, mask=tmask[:, None])
     # Every thread's stores precede the release of the ticket.
     tl.debug_barrier()
+    if PDL and RELEASE_LATE:
+        _launch_dependents()
     ticket = tl.atomic_add(ticket_ptr + tb, 1, sem="acq_rel")
     if ticket == NC - 1:
         tl.store(ticket_ptr + tb, 0)

@@ -87,8 +87,8 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
     GPU: `tl.dot` with M padded to 16/32/64, BLOCK_K 128 (256 B of BF16 or 128 B of FP8 per weight
     row and step), BLOCK_N 64; split-K until about 2 programs per SM, keeping at least 4 K steps
     per split (so the pipeline fills) and the fp32 partial traffic within 1/4 of the weight bytes
-    (partials mostly stay in L2), or for FP8 weights at up to 16 rows about 3 programs per SM, rounded
-    down; as many pipeline stages (2-5; at most 4 for FP8 weights at up to 16 rows) as fit about 100 KB
+    (partials mostly stay in L2), rounded down for BF16 weights (one wave), or for FP8 weights at up to
+    16 rows about 3 programs per SM, rounded down; as many pipeline stages (2-5; at most 4 for FP8 weights at up to 16 rows) as fit about 100 KB
     of shared memory, so two or more programs share an SM. FP8 weights meet 16-bit activations in fp16
     products at BLOCK_M 16 (up to 16 rows; `half` None), where the H200 sweep measured them 1.3x
     faster than bf16 products; at 64 rows they were slower. Where all weights are FP8 and the
@@ -142,6 +142,11 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
             # exceeding that (the H200 sweep of 2026-12-04: dense down and DSA o_proj 6 splits, 384
             # programs, against the 5 of a 2-per-SM round-up: 20.2 -> 18.6 and 25.2 -> 23.2 us at 1 row).
             want = max(1, 3 * sms // tiles)
+        elif gpu and weight_bytes == 2:
+            # BF16 weights: about 2 programs per SM, rounded down. A round-up past the 2 per SM that
+            # their shared memory allows starts a second wave: the H200 sweep of 2026-12-04 timed the KDA
+            # o_proj ([4096, 8192], 64 tiles) at 24.8 us with 5 splits (320 programs) and 20.7 with 4 (256).
+            want = max(1, 2 * sms // tiles)
         else:
             want = triton.cdiv(2 * sms, tiles)
         traffic_cap = max(1, K * weight_bytes // (32 * M))
