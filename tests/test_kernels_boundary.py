@@ -178,6 +178,46 @@ def test_launch_modes():
         fused.mhc_boundary(*args, **KW, pdl="early")
 
 
+@pytest.mark.parametrize("registers", [False, True])
+@pytest.mark.parametrize("T, D", [(1, 64), (3, 100)])
+def test_deferred_sinkhorn_chain_equals_the_plain_chain(monkeypatch, T, D, registers):
+    """first -> boundary -> boundary -> last with every comb left pending (one Sinkhorn iteration) and
+    finished by the next launch's chunk programs: the same streams, post, x and hidden states as the
+    plain chain (bit for bit on the register path, which runs the same iterations on the same values),
+    each pending comb the reference's, and finishing it gives the plain comb."""
+    monkeypatch.setattr(fused, "SINKHORN_IN_REGISTERS", registers)
+    g = torch.Generator().manual_seed(300 + T)
+    hcs = [_stock_hc(D, 40 + i) for i in range(3)]
+    emb = torch.randn(T, D, generator=g)
+    outs = [torch.randn(T, D, generator=g) for _ in range(3)]
+    norm_w = 1 + 0.2 * torch.randn(D, generator=g)
+
+    def chain(mod, deferred):
+        pend = dict(comb_pending=True) if deferred else {}
+        res = [mod.mhc_first(emb, *_mixer(hcs[0]), norm_w, **KW, **({"defer_sinkhorn": True} if deferred else {}))]
+        for i in (1, 2):
+            s, p, c, _ = res[-1]
+            bufs = _nan_buffers(T, D, torch.float32) if mod is fused else {}  # every output written
+            res.append(mod.mhc_boundary(outs[i - 1], s, p, c, *_mixer(hcs[i]), norm_w, **KW, **pend, **bufs,
+                                        **({"defer_sinkhorn": True} if deferred else {})))
+        s, p, c, _ = res[-1]
+        last_kw = dict(comb_pending=True, hc_eps=HC_EPS, sinkhorn_iters=ITERS) if deferred else {}
+        return res, mod.mhc_last(outs[2], s, p, c, norm_w, norm_eps=NORM_EPS, **last_kw)
+
+    plain, plain_last = chain(fused, False)
+    deferred, deferred_last = chain(fused, True)
+    want, want_last = chain(ref, True)
+    same = torch.equal if registers else (lambda a, b: torch.allclose(a, b, rtol=1e-6, atol=1e-7))
+    for a, b, r in zip(plain, deferred, want):
+        for k in (0, 1, 3):  # streams, post, x
+            assert same(a[k], b[k]), k
+        assert not torch.allclose(a[2], b[2])  # the comb is pending
+        _close(b[2], r[2], 1e-5)
+        _close(ref.finish_sinkhorn(b[2], HC_EPS, ITERS), a[2], 1e-5)
+    assert same(plain_last, deferred_last)
+    _close(deferred_last, want_last, 1e-5)
+
+
 def test_perturbing_one_stream_changes_only_its_token():
     T, D = 3, 100
     out, streams, post, comb, hc, norm_w = _case(T, D, torch.float32, seed=13)

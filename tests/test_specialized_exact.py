@@ -97,6 +97,24 @@ def test_planned_step_equals_stock_step(tiny_fp32, choice):
         close(a[:-1], b[:-1])  # every cache write but the padding row's scratch
 
 
+@pytest.mark.parametrize("registers", [False, True])
+def test_planned_step_with_deferred_sinkhorn_equals_stock_step(tiny_fp32, monkeypatch, registers):
+    """"fused-deferred" boundaries (each comb finished by the next boundary): the planned step equals
+    the stock one, on the interpreter's tile path and on the GPU's register path."""
+    import glm5next.kernels.boundary as boundary_kernels
+
+    monkeypatch.setattr(boundary_kernels, "SINKHORN_IN_REGISTERS", registers)
+    lens = [5, 40]
+    planned, p_seqs = prefilled(tiny_fp32, lens, SpecializedDecode(tiny_fp32, policy(boundary="fused-deferred"), SIZES))
+    stock, s_seqs = prefilled(tiny_fp32, lens)
+    for step in range(2):
+        for seqs in (p_seqs, s_seqs):
+            for i, s in enumerate(seqs):
+                s.token_ids.append(5 * step + 7 * i)
+        close(planned.step(p_seqs), stock.step(s_seqs))
+    assert planned.executor.planned_steps == 2
+
+
 def test_only_boundaries_before_overlapped_groups_release_late(tiny_fp32, monkeypatch):
     """With "grouped-overlap" for the KDA projections only, the boundary in front of each KDA
     attention (layer 0's first boundary included) is asked to release late; the others are not."""
@@ -106,13 +124,13 @@ def test_only_boundaries_before_overlapped_groups_release_late(tiny_fp32, monkey
     asked = {}
     call, first = BoundaryStage.__call__, BoundaryStage.first
 
-    def record_call(self, out, streams, post, comb, hc, norm, release_late=False):
+    def record_call(self, out, streams, post, comb, hc, norm, release_late=False, deferred=False):
         asked[id(hc)] = release_late
-        return call(self, out, streams, post, comb, hc, norm, release_late)
+        return call(self, out, streams, post, comb, hc, norm, release_late, deferred)
 
-    def record_first(self, embedded, hc, norm, release_late=False):
+    def record_first(self, embedded, hc, norm, release_late=False, deferred=False):
         asked[id(hc)] = release_late
-        return first(self, embedded, hc, norm, release_late)
+        return first(self, embedded, hc, norm, release_late, deferred)
 
     monkeypatch.setattr(BoundaryStage, "__call__", record_call)
     monkeypatch.setattr(BoundaryStage, "first", record_first)

@@ -81,16 +81,17 @@ def boundary_case(model, m: int) -> Case:
             insts.append((hc2, norm, out, streams, post, comb))
     stage = BoundaryStage(cfg)
 
-    def fused():
+    def fused(deferred=False):
         for hc, norm, out, streams, post, comb in insts:
-            stage(out, streams, post, comb, hc, norm)
+            stage(out, streams, post, comb, hc, norm, deferred=deferred)
 
     def stock():
         for hc, norm, out, streams, post, comb in insts:
             x, _, _ = hc.pre(hc_post(out, streams, post, comb))
             norm(x)
 
-    return Case("boundary", m, per, {"fused": fused, STOCK: stock}, len(insts))
+    # "fused-deferred" takes each (uniform) comb as pending: the same work as in a step that defers.
+    return Case("boundary", m, per, {"fused": fused, "fused-deferred": lambda: fused(True), STOCK: stock}, len(insts))
 
 
 def _projection_case(model, m: int, kind: str, stage: str) -> Case:

@@ -1,5 +1,9 @@
 """The boundary stage: the fused mHC post -> pre -> RMSNorm between two sublayers, plus the
-first layer's expand + pre and the last layer's post + contract + final norm."""
+first layer's expand + pre and the last layer's post + contract + final norm.
+
+Choices: "fused"; "fused-deferred", the same with each comb left pending after its first Sinkhorn
+iteration and finished by the next boundary's chunk programs (`mhc_boundary`'s `defer_sinkhorn`).
+In a step that defers, every boundary defers, so each comb that passes between them is pending."""
 
 from __future__ import annotations
 
@@ -13,24 +17,27 @@ class BoundaryStage:
         self.consts = dict(hc_eps=config.hc_eps, rms_eps=config.rms_norm_eps, sinkhorn_iters=config.hc_sinkhorn_iters,
                            post_mult=MHC_POST_MULT)
 
-    def __call__(self, out, streams, post, comb, hc, norm, release_late: bool = False):
+    def __call__(self, out, streams, post, comb, hc, norm, release_late: bool = False, deferred: bool = False):
         """(new streams, post, comb, normalized next input) after a sublayer output `out`. With
         `release_late` the launch after it (a programmatic dependent) starts only once the boundary's
-        partial products are stored, beside its finisher."""
+        partial products are stored, beside its finisher; `deferred`: `comb` and the new comb are pending."""
         from ..kernels.boundary import mhc_boundary
 
         return mhc_boundary(out, streams, post, comb, hc.fn, hc.base, hc.scale, norm.weight, norm_eps=norm.eps,
-                            pdl="late" if release_late else None, **self.consts)
+                            pdl="late" if release_late else None, defer_sinkhorn=deferred, comb_pending=deferred,
+                            **self.consts)
 
-    def first(self, embedded, hc, norm, release_late: bool = False):
-        """(streams, post, comb, normalized input) of layer 0 from the embeddings."""
+    def first(self, embedded, hc, norm, release_late: bool = False, deferred: bool = False):
+        """(streams, post, comb, normalized input) of layer 0 from the embeddings (`deferred`: the comb
+        is pending)."""
         from ..kernels.boundary import mhc_first
 
         return mhc_first(embedded, hc.fn, hc.base, hc.scale, norm.weight, norm_eps=norm.eps,
-                         pdl="late" if release_late else None, **self.consts)
+                         pdl="late" if release_late else None, defer_sinkhorn=deferred, **self.consts)
 
-    def last(self, out, streams, post, comb, final_norm):
-        """The post-norm hidden states after the last sublayer."""
+    def last(self, out, streams, post, comb, final_norm, deferred: bool = False):
+        """The post-norm hidden states after the last sublayer (`deferred`: `comb` is pending)."""
         from ..kernels.boundary import mhc_last
 
-        return mhc_last(out, streams, post, comb, final_norm.weight, norm_eps=final_norm.eps)
+        return mhc_last(out, streams, post, comb, final_norm.weight, norm_eps=final_norm.eps, comb_pending=deferred,
+                        hc_eps=self.consts["hc_eps"], sinkhorn_iters=self.consts["sinkhorn_iters"])

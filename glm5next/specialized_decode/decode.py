@@ -142,8 +142,9 @@ class LayerStages:
     def boundary(self, hc, norm, out, streams, post, comb, release_late: bool = False):
         """The previous sublayer's mHC post, then the next sublayer's pre and its norm (`release_late`:
         the fused kernel lets the launch after it start only once its partial products are stored)."""
-        if self.boundary_stage is not None and self.policy("boundary", out.shape[0]):
-            return self.boundary_stage(out, streams, post, comb, hc, norm, release_late)
+        choice = self.policy("boundary", out.shape[0]) if self.boundary_stage is not None else None
+        if choice:
+            return self.boundary_stage(out, streams, post, comb, hc, norm, release_late, choice == "fused-deferred")
         streams = hc_post(out, streams, post, comb)
         x, post, comb = hc.pre(streams)
         return streams, post, comb, norm(x)
@@ -264,9 +265,12 @@ class SpecializedDecode(LayerStages):
         """`DecoderLayer.forward` for a planned step; `x` is the previous sublayer's output (or the
         embeddings before layer 0). Returns the next state, or the final hidden states after the last layer."""
         late = self.projections.release_late(layer, x.shape[0])
+        fused = self.policy("boundary", x.shape[0]) if self.boundary_stage is not None else None
+        deferred = fused == "fused-deferred"  # then every comb between two boundaries is pending
         if post is None:
-            if self.boundary_stage is not None and self.policy("boundary", x.shape[0]):
-                streams, post, comb, x = self.boundary_stage.first(x, layer.attn_hc, layer.input_layernorm, late)
+            if fused:
+                streams, post, comb, x = self.boundary_stage.first(x, layer.attn_hc, layer.input_layernorm, late,
+                                                                   deferred)
             else:
                 streams = hc_expand(x, self.text_config.hc_mult)
                 x, post, comb = layer.attn_hc.pre(streams)
@@ -281,8 +285,9 @@ class SpecializedDecode(LayerStages):
         if layer is self.layers[-1]:
             if partial:  # the last layer reduces before contracting
                 x = all_reduce(x, self.backbone.tp)
-            if self.boundary_stage is not None and self.policy("boundary", x.shape[0]):
-                return self.boundary_stage.last(x, streams, post, comb, self.backbone.norm), False, None, None, None
+            if fused:
+                return (self.boundary_stage.last(x, streams, post, comb, self.backbone.norm, deferred),
+                        False, None, None, None)
             return self.backbone.norm(hc_contract(hc_post(x, streams, post, comb))), False, None, None, None
         return x, partial, streams, post, comb
 

@@ -25,7 +25,7 @@ MAX_TOKENS = 64
 STOCK = "stock"
 
 STAGES: dict[str, tuple[str, ...]] = {
-    "boundary": ("fused",),
+    "boundary": ("fused", "fused-deferred"),
     "kda_proj": ("grouped", "grouped-early", "grouped-overlap", "single"),
     "dsa_proj": ("grouped", "grouped-early", "grouped-overlap", "single"),
     "dense_mlp": ("fused",),

@@ -98,7 +98,9 @@ sweep of 2026-12-04 timed 64 boundaries in a row at 8.6 -> 8.2 us each at 1 toke
 
 
 def _launch(mode, out, streams, post, comb, fn, base, scale, w, new_streams, new_post, new_comb, x,
-            hc_eps, rms_eps, norm_eps, sinkhorn_iters, post_mult, block_t, chunk, pdl):
+            hc_eps, rms_eps, norm_eps, sinkhorn_iters, post_mult, block_t, chunk, pdl, defer=False, pending_iters=0):
+    """`defer`: the finisher leaves new_comb pending (one Sinkhorn iteration); `pending_iters`: the
+    iterations `comb` still needs (0: it is final)."""
     T, D = out.shape
     n = streams.shape[1] if new_streams is None else new_streams.shape[1]
     if not 1 <= T:
@@ -125,7 +127,8 @@ def _launch(mode, out, streams, post, comb, fn, base, scale, w, new_streams, new
         dummy if new_comb is None else new_comb, x,
         part, _tickets(out.device),
         T, float(hc_eps), float(rms_eps), float(norm_eps), float(post_mult),
-        D=D, N=n, MODE=mode, ITERS=int(sinkhorn_iters), PDL=pdl, RELEASE_LATE=pdl and late, **p,
+        D=D, N=n, MODE=mode, ITERS=1 if defer else int(sinkhorn_iters), PDL=pdl, RELEASE_LATE=pdl and late,
+        ITERS_IN=int(pending_iters), **p,
         num_warps=NUM_WARPS,
         **({"launch_pdl": True} if pdl else {}),
     )
@@ -161,7 +164,7 @@ def mhc_boundary(
     out, streams, post, comb, fn, base, scale, norm_weight, *,
     hc_eps, rms_eps, norm_eps, sinkhorn_iters, post_mult,
     new_streams=None, new_post=None, new_comb=None, x=None, block_t=None, chunk=None,
-    pdl=None,
+    pdl=None, defer_sinkhorn=False, comb_pending=False,
 ):
     """(new_streams [T, n, D], new_post [T, n] fp32, new_comb [T, n, n] fp32, x [T, D]).
 
@@ -170,6 +173,9 @@ def mhc_boundary(
     norm_weight, norm_eps) in the model dtype. `fn` [(2+n)n, nD], `base`, `scale` fp32.
     `pdl` (None: the module's `PDL`) launches it as a programmatic dependent; "late" does so and lets
     the kernel after it start only once the partial products are stored (before the finisher).
+    `defer_sinkhorn`: new_comb is left pending, after the first of the Sinkhorn iterations, for the
+    next boundary (or `mhc_last`) to finish with `comb_pending` (`reference.finish_sinkhorn`): the
+    chain of iterations then runs in that launch's chunk programs instead of this one's finisher.
     """
     T, n, D = streams.shape
     _check_mixer(fn, base, scale, n, D)
@@ -178,33 +184,37 @@ def mhc_boundary(
     new_streams, new_post, new_comb, x = _buffers(out, streams.dtype, n, new_streams, new_post, new_comb, x)
     _launch(0, _c(out), _c(streams), _c(post), _c(comb), _c(fn), _c(base), _c(scale), _c(norm_weight),
             new_streams, new_post, new_comb, x, hc_eps, rms_eps, norm_eps, sinkhorn_iters, post_mult, block_t, chunk,
-            pdl)
+            pdl, defer_sinkhorn, sinkhorn_iters - 1 if comb_pending else 0)
     return new_streams, new_post, new_comb, x
 
 
 def mhc_first(
     embedded, fn, base, scale, norm_weight, *,
     hc_eps, rms_eps, norm_eps, sinkhorn_iters, post_mult,
-    streams=None, post=None, comb=None, x=None, block_t=None, chunk=None, pdl=None,
+    streams=None, post=None, comb=None, x=None, block_t=None, chunk=None, pdl=None, defer_sinkhorn=False,
 ):
-    """(streams [T, n, D], post, comb, x) of the first layer: n copies of `embedded` [T, D], pre, norm."""
+    """(streams [T, n, D], post, comb, x) of the first layer: n copies of `embedded` [T, D], pre, norm
+    (`defer_sinkhorn` as in `mhc_boundary`)."""
     T, D = embedded.shape
     n = fn.shape[1] // D
     _check_mixer(fn, base, scale, n, D)
     streams, post, comb, x = _buffers(embedded, embedded.dtype, n, streams, post, comb, x)
     _launch(1, _c(embedded), None, None, None, _c(fn), _c(base), _c(scale), _c(norm_weight),
-            streams, post, comb, x, hc_eps, rms_eps, norm_eps, sinkhorn_iters, post_mult, block_t, chunk, pdl)
+            streams, post, comb, x, hc_eps, rms_eps, norm_eps, sinkhorn_iters, post_mult, block_t, chunk, pdl,
+            defer_sinkhorn)
     return streams, post, comb, x
 
 
 def mhc_last(out, streams, post, comb, final_norm_weight, *, norm_eps, hidden=None, block_t=None, chunk=None,
-             pdl=None):
-    """The post-final-norm hidden states [T, D]: hc_post, the mean of the (cast) streams, RMSNorm."""
+             pdl=None, comb_pending=False, hc_eps=0.0, sinkhorn_iters=1):
+    """The post-final-norm hidden states [T, D]: hc_post, the mean of the (cast) streams, RMSNorm
+    (`comb_pending`: `comb` still needs its Sinkhorn iterations after the first, with `hc_eps`)."""
     T, n, D = streams.shape
     if hidden is None:
         hidden = torch.empty(T, D, dtype=streams.dtype, device=streams.device)
     elif not hidden.is_contiguous():
         raise ValueError("hidden must be contiguous")
     _launch(2, _c(out), _c(streams), _c(post), _c(comb), None, None, None, _c(final_norm_weight),
-            None, None, None, hidden, 0.0, 0.0, norm_eps, 1, 0.0, block_t, chunk, pdl)
+            None, None, None, hidden, hc_eps, 0.0, norm_eps, 1, 0.0, block_t, chunk, pdl,
+            pending_iters=sinkhorn_iters - 1 if comb_pending else 0)
     return hidden

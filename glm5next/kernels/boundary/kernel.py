@@ -13,6 +13,10 @@ BY_TOKEN, one token of the block at a time).
 
 MODE 0: boundary; MODE 1: first layer (the streams are n copies of `out`); MODE 2: last layer
 (the mean of the new streams, then the final RMSNorm: only the sum-of-squares slot is used).
+A boundary may leave its comb pending (ITERS = 1: the finisher stores it after the first Sinkhorn
+iteration) for the next one to finish (ITERS_IN: the remaining iterations, run by every chunk
+program while its first loads are in flight): Sinkhorn's chain of dependent normalisations then
+leaves the finisher, the launch's critical path, and the values are the same as the finisher's.
 With PDL the launch is a programmatic dependent: each program prefetches its chunk of the mixer into
 L2 and then waits for the previous kernel before its first read of an activation. It lets the next
 kernel start as it begins, or with RELEASE_LATE once its partial products are stored (the finisher,
@@ -88,6 +92,22 @@ def _comb(comb_ptr, tok, tmask, N: tl.constexpr):
     cs = ()
     for q in tl.static_range(N * N):
         cs = cs + (tl.load(comb_ptr + tok * (N * N) + q, mask=tmask, other=0.0),)
+    return cs
+
+
+@triton.jit
+def _pending_comb(comb_ptr, tok, tmask, hc_eps, N: tl.constexpr, ITERS_IN: tl.constexpr):
+    """The tuple of `_comb` for a pending comb (one Sinkhorn iteration done) in tile form: the
+    remaining ITERS_IN iterations on a [BT, N, N] tile, then the N * N values."""
+    i = tl.arange(0, N)
+    q = i[None, :, None] * N + i[None, None, :]
+    cm = tl.load(comb_ptr + tok[:, None, None] * (N * N) + q, mask=tmask[:, None, None], other=0.0)
+    for _ in range(ITERS_IN):
+        cm = cm / (tl.sum(cm, axis=2)[:, :, None] + hc_eps)
+        cm = cm / (tl.sum(cm, axis=1)[:, None, :] + hc_eps)
+    cs = ()
+    for k in tl.static_range(N * N):
+        cs = cs + (tl.sum(tl.sum(tl.where(q == k, cm, 0.0), axis=2), axis=1),)
     return cs
 
 
@@ -219,7 +239,7 @@ def mhc_kernel(
     D: tl.constexpr, N: tl.constexpr, ROWS: tl.constexpr, MODE: tl.constexpr, ITERS: tl.constexpr,
     BT: tl.constexpr, SUB: tl.constexpr, NSUB: tl.constexpr, NC: tl.constexpr, NCB: tl.constexpr,
     FIN: tl.constexpr, SK4: tl.constexpr, BY_TOKEN: tl.constexpr, PDL: tl.constexpr,
-    RELEASE_LATE: tl.constexpr = False,
+    RELEASE_LATE: tl.constexpr = False, ITERS_IN: tl.constexpr = 0,
 ):
     W: tl.constexpr = ROWS * N
     SSQ: tl.constexpr = (2 + N) * N
@@ -241,8 +261,14 @@ def mhc_kernel(
             rows = fn_ptr + kk[:, None] * (N * D) + tl.arange(0, N)[None, :] * D + c * CHUNK
             _prefetch_l2(rows, tl.minimum(CHUNK, D - c * CHUNK) * 4, (kk < SSQ)[:, None])
         _wait_previous()
+    # A pending comb (ITERS_IN > 0) gets its remaining Sinkhorn iterations here: on the register
+    # path once the first sub-tile's loads are in flight (below), else in tile form now.
+    SK_HERE: tl.constexpr = ITERS_IN > 0 and SK4 > 0 and N == 4
     if MODE != 1:
-        cs = _comb(comb_ptr, tok, tmask, N)
+        if ITERS_IN > 0 and not SK_HERE:
+            cs = _pending_comb(comb_ptr, tok, tmask, hc_eps, N, ITERS_IN)
+        else:
+            cs = _comb(comb_ptr, tok, tmask, N)
     acc = tl.zeros((BT, W, SUB), tl.float32)
     ssq = tl.zeros((BT, SUB), tl.float32)
     for s in tl.static_range(NSUB):
@@ -259,6 +285,8 @@ def mhc_kernel(
             if MODE != 2:
                 fp = fn_ptr + kk[:, None] * (N * D) + j * D + d[None, :]
                 mix = mix + (tl.load(fp, mask=(kk < SSQ)[:, None] & dm[None, :], other=0.0),)
+        if SK_HERE and MODE != 1 and s == 0:
+            cs = _iterate4(cs, hc_eps, ITERS_IN, SK4 == 2)
         msum = tl.zeros((BT, SUB), tl.float32)
         for j in tl.static_range(N):
             if MODE == 1:

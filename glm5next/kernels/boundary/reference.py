@@ -35,16 +35,23 @@ def hc_weights(
     logits = mix[:, 2 * n :].view(-1, n, n) * scale[2] + base[2 * n :].view(n, n)
     comb = torch.softmax(logits, dim=-1) + hc_eps
     comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    return pre, post, finish_sinkhorn(comb, hc_eps, sinkhorn_iters)
+
+
+def finish_sinkhorn(comb: torch.Tensor, hc_eps: float, sinkhorn_iters: int) -> torch.Tensor:
+    """The Sinkhorn iterations after the first: what a pending comb (a boundary's output under
+    `defer_sinkhorn`) still needs before hc_post can apply it."""
     for _ in range(sinkhorn_iters - 1):
         comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-    return pre, post, comb
+    return comb
 
 
-def _pre_and_norm(streams, fn, base, scale, norm_weight, hc_eps, rms_eps, norm_eps, sinkhorn_iters, post_mult):
+def _pre_and_norm(streams, fn, base, scale, norm_weight, hc_eps, rms_eps, norm_eps, sinkhorn_iters, post_mult,
+                  defer_sinkhorn=False):
     pre, post, comb = hc_weights(
         streams, fn, base, scale,
-        hc_eps=hc_eps, rms_eps=rms_eps, sinkhorn_iters=sinkhorn_iters, post_mult=post_mult,
+        hc_eps=hc_eps, rms_eps=rms_eps, sinkhorn_iters=1 if defer_sinkhorn else sinkhorn_iters, post_mult=post_mult,
     )
     collapsed = (pre.unsqueeze(-1) * streams.float()).sum(dim=1).to(streams.dtype)
     return streams, post, comb, rms_norm(collapsed, norm_weight, norm_eps)
@@ -65,11 +72,17 @@ def mhc_boundary(
     norm_eps: float,
     sinkhorn_iters: int,
     post_mult: float,
+    defer_sinkhorn: bool = False,
+    comb_pending: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(new_streams, new_post, new_comb, x): the previous sublayer's mHC post, then the next pre + norm."""
+    """(new_streams, new_post, new_comb, x): the previous sublayer's mHC post, then the next pre + norm.
+    `defer_sinkhorn`: new_comb is pending (one Sinkhorn iteration done); `comb_pending`: so is `comb`."""
+    if comb_pending:
+        comb = finish_sinkhorn(comb, hc_eps, sinkhorn_iters)
     new_streams = hc_post(out, streams, post, comb)
     return _pre_and_norm(
-        new_streams, fn, base, scale, norm_weight, hc_eps, rms_eps, norm_eps, sinkhorn_iters, post_mult
+        new_streams, fn, base, scale, norm_weight, hc_eps, rms_eps, norm_eps, sinkhorn_iters, post_mult,
+        defer_sinkhorn,
     )
 
 
@@ -85,11 +98,13 @@ def mhc_first(
     norm_eps: float,
     sinkhorn_iters: int,
     post_mult: float,
+    defer_sinkhorn: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(streams, post, comb, x) of the first layer: n copies of `embedded` [T, D], then pre + norm."""
     n = fn.shape[1] // embedded.shape[1]
     streams = hc_expand(embedded, n)
-    return _pre_and_norm(streams, fn, base, scale, norm_weight, hc_eps, rms_eps, norm_eps, sinkhorn_iters, post_mult)
+    return _pre_and_norm(streams, fn, base, scale, norm_weight, hc_eps, rms_eps, norm_eps, sinkhorn_iters, post_mult,
+                         defer_sinkhorn)
 
 
 def mhc_last(
@@ -100,6 +115,12 @@ def mhc_last(
     final_norm_weight: torch.Tensor,
     *,
     norm_eps: float,
+    comb_pending: bool = False,
+    hc_eps: float = 0.0,
+    sinkhorn_iters: int = 1,
 ) -> torch.Tensor:
-    """The post-final-norm hidden states [T, D]: the last mHC post, the mean of the streams, RMSNorm."""
+    """The post-final-norm hidden states [T, D]: the last mHC post, the mean of the streams, RMSNorm
+    (`comb_pending`: `comb` still needs its Sinkhorn iterations after the first)."""
+    if comb_pending:
+        comb = finish_sinkhorn(comb, hc_eps, sinkhorn_iters)
     return rms_norm(hc_contract(hc_post(out, streams, post, comb)), final_norm_weight, norm_eps)
