@@ -88,10 +88,11 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
     row and step), BLOCK_N 64; split-K until about 2 programs per SM, keeping at least 4 K steps
     per split (so the pipeline fills) and the fp32 partial traffic within 1/4 of the weight bytes
     (partials mostly stay in L2), rounded down for BF16 weights (one wave), or for FP8 weights at up to
-    16 rows about 3 programs per SM, rounded down; as many pipeline stages (2-5; at most 4 for FP8 weights at up to 16 rows) as fit about 100 KB
-    of shared memory, so two or more programs share an SM. FP8 weights meet 16-bit activations in fp16
-    products at BLOCK_M 16 (up to 16 rows; `half` None), where the H200 sweep measured them 1.3x
-    faster than bf16 products; at 64 rows they were slower. Where all weights are FP8 and the
+    16 rows about 3 programs per SM, rounded down; as many pipeline stages (2-5; at most 4 for FP8
+    weights at up to 16 rows) as fit about 100 KB of shared memory, so two or more programs share an
+    SM. FP8 weights meet 16-bit activations in fp16 products at BLOCK_M 16 (up to 16 rows; `half`
+    None), where the H200 sweep measured them 1.3x faster than bf16 products; at 64 rows they were
+    slower. Where all weights are FP8 and the
     products fp16 (mode None), the weight tiles come through tensor descriptors ("tma") and a gated
     call takes half the split: the H200 sweep of 2026-12-04 measured the dense gate|up at 1-16 rows
     37 -> 33 us, the other shapes equal or up to 4 % faster. CPU: the same rules with BLOCK_K 64,
