@@ -82,17 +82,24 @@ def prefilled(model, lens, executor=None):
     return runner, seqs
 
 
-@pytest.mark.parametrize("choice", STAGES["kda_proj"])
-def test_planned_step_equals_stock_step(tiny_fp32, choice):
-    lens = [5, 40, 70]  # the long ones make the indexer drop pools
-    planned, p_seqs = prefilled(tiny_fp32, lens, SpecializedDecode(tiny_fp32, policy(kda_proj=choice,
-                                                                                    dsa_proj=choice), SIZES))
-    stock, s_seqs = prefilled(tiny_fp32, lens)
-    for step in range(3):
+def decode_alike(model, lens, executor, steps):
+    """Prefill `lens`, then `steps` decode steps planned by `executor` and stock, each step's logits
+    equal; returns the two runners."""
+    planned, p_seqs = prefilled(model, lens, executor)
+    stock, s_seqs = prefilled(model, lens)
+    for step in range(steps):
         for seqs in (p_seqs, s_seqs):
             for i, s in enumerate(seqs):
                 s.token_ids.append(3 * step + 11 * i)
         close(planned.step(p_seqs), stock.step(s_seqs))
+    return planned, stock
+
+
+@pytest.mark.parametrize("choice", STAGES["kda_proj"])
+def test_planned_step_equals_stock_step(tiny_fp32, choice):
+    lens = [5, 40, 70]  # the long ones make the indexer drop pools
+    ex = SpecializedDecode(tiny_fp32, policy(kda_proj=choice, dsa_proj=choice), SIZES)
+    planned, stock = decode_alike(tiny_fp32, lens, ex, 3)
     for a, b in zip(planned.cache.tensors(), stock.cache.tensors()):
         close(a[:-1], b[:-1])  # every cache write but the padding row's scratch
 
@@ -104,15 +111,9 @@ def test_planned_step_with_deferred_sinkhorn_equals_stock_step(tiny_fp32, monkey
     import glm5next.kernels.boundary as boundary_kernels
 
     monkeypatch.setattr(boundary_kernels, "SINKHORN_IN_REGISTERS", registers)
-    lens = [5, 40]
-    planned, p_seqs = prefilled(tiny_fp32, lens, SpecializedDecode(tiny_fp32, policy(boundary="fused-deferred"), SIZES))
-    stock, s_seqs = prefilled(tiny_fp32, lens)
-    for step in range(2):
-        for seqs in (p_seqs, s_seqs):
-            for i, s in enumerate(seqs):
-                s.token_ids.append(5 * step + 7 * i)
-        close(planned.step(p_seqs), stock.step(s_seqs))
-    assert planned.executor.planned_steps == 2
+    ex = SpecializedDecode(tiny_fp32, policy(boundary="fused-deferred"), SIZES)
+    decode_alike(tiny_fp32, [5, 40], ex, 2)
+    assert ex.planned_steps == 2
 
 
 def test_only_boundaries_before_overlapped_groups_release_late(tiny_fp32, monkeypatch):
