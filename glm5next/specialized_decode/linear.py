@@ -77,12 +77,6 @@ class GroupRoute:
             self._x = x
         return self._outs[i]
 
-    def release_late(self, layer, tokens: int) -> bool:
-        """Whether the boundary before `layer`'s attention releases the next launch only after its
-        partial products: its projection group runs "grouped-overlap" at this token count."""
-        stage = self.grouped_layers.get(layer.layer_idx)
-        return stage is not None and self.policy(stage, tokens) in RELEASE_LATE
-
     def reset(self) -> None:
         self._x, self._outs = None, []
 

@@ -96,15 +96,23 @@ def _comb(comb_ptr, tok, tmask, N: tl.constexpr):
 
 
 @triton.jit
+def _iterate_tiles(cm, hc_eps, ITERS: tl.constexpr):
+    """ITERS Sinkhorn iterations (row, then column normalisation) on [BT, rows, N] tiles (rows past
+    the comb's are zero and stay so): the interpreter's form."""
+    for _ in range(ITERS):
+        cm = cm / (tl.sum(cm, axis=2)[:, :, None] + hc_eps)
+        cm = cm / (tl.sum(cm, axis=1)[:, None, :] + hc_eps)
+    return cm
+
+
+@triton.jit
 def _pending_comb(comb_ptr, tok, tmask, hc_eps, N: tl.constexpr, ITERS_IN: tl.constexpr):
     """The tuple of `_comb` for a pending comb (one Sinkhorn iteration done) in tile form: the
     remaining ITERS_IN iterations on a [BT, N, N] tile, then the N * N values."""
     i = tl.arange(0, N)
     q = i[None, :, None] * N + i[None, None, :]
     cm = tl.load(comb_ptr + tok[:, None, None] * (N * N) + q, mask=tmask[:, None, None], other=0.0)
-    for _ in range(ITERS_IN):
-        cm = cm / (tl.sum(cm, axis=2)[:, :, None] + hc_eps)
-        cm = cm / (tl.sum(cm, axis=1)[:, None, :] + hc_eps)
+    cm = _iterate_tiles(cm, hc_eps, ITERS_IN)
     cs = ()
     for k in tl.static_range(N * N):
         cs = cs + (tl.sum(tl.sum(tl.where(q == k, cm, 0.0), axis=2), axis=1),)
@@ -167,9 +175,7 @@ def _mhc_finish(
         if SK4 > 0 and N == 4:  # registers on the GPU; the interpreter prefers few vector operations
             _sinkhorn4(tl.reshape(cm, (BT, W)), tok, tmask, kk, new_comb_ptr, hc_eps, ITERS, SK4 == 2)
         else:
-            for _ in range(ITERS - 1):
-                cm = cm / (tl.sum(cm, axis=2)[:, :, None] + hc_eps)
-                cm = cm / (tl.sum(cm, axis=1)[:, None, :] + hc_eps)
+            cm = _iterate_tiles(cm, hc_eps, ITERS - 1)
             tl.store(new_comb_ptr + tok[:, None, None] * (N * N) + (a - 2) * N + b, cm,
                      mask=tmask[:, None, None] & is_comb)
         # Collapse sum_j pre[j] * streams[j] (cast to the model dtype) and its sum of squares.
