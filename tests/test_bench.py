@@ -375,6 +375,25 @@ def test_boundary_sweep_sets_each_tiling_during_its_launches(monkeypatch):
     assert sweep.boundary_kernels.NUM_WARPS == 4 and sweep.boundary_kernels.FINISH_BY_TOKEN is False
 
 
+def test_boundary_sweep_times_deferral_when_asked(monkeypatch):
+    """`deferred` (True, False): each tiling once as it is and once taking and leaving its comb
+    pending; the default times only the plain launch."""
+    import glm5next.bench.sweep as sweep
+
+    seen = []
+    monkeypatch.setattr(sweep, "_time", lambda fn, calls, replays: fn() or 1.0)
+    monkeypatch.setattr(sweep, "boundary_mixer", lambda device: (None, None, None))
+    monkeypatch.setattr(sweep, "boundary_state", lambda T, device: (None,) * 4)
+    monkeypatch.setattr(sweep, "mhc_boundary", lambda *a, **k: seen.append(
+        (k["chunk"], k["defer_sinkhorn"], k["comb_pending"])))
+    rows = sweep.sweep_boundary("cpu", [1], 1, block_ts=(1,), chunks=(32, 64), deferred=(False, True))
+    assert [r["variant"] for r in rows] == ["bt1-c32", "bt1-c32-deferred", "bt1-c64", "bt1-c64-deferred"]
+    assert sorted(set(seen)) == [(32, False, False), (32, True, True), (64, False, False), (64, True, True)]
+    seen.clear()
+    assert [r["variant"] for r in sweep.sweep_boundary("cpu", [1], 1, block_ts=(1,), chunks=(32,))] == ["bt1-c32"]
+    assert set(seen) == {(32, False, False)}
+
+
 def test_tune_merge_keeps_the_sizes_not_measured():
     """`tune-policy --merge`: the new run's token counts win, the file's others stay (tables and times,
     in token order); another GPU's file or an unknown choice is refused, naming it."""

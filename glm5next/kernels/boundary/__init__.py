@@ -129,7 +129,7 @@ def _launch(mode, out, streams, post, comb, fn, base, scale, w, new_streams, new
         T, float(hc_eps), float(rms_eps), float(norm_eps), float(post_mult),
         D=D, N=n, MODE=mode, ITERS=1 if defer else int(sinkhorn_iters), PDL=pdl, RELEASE_LATE=pdl and late,
         ITERS_IN=int(pending_iters), **p,
-        num_warps=NUM_WARPS,
+        num_warps=NUM_WARPS, enable_fp_fusion=False,
         **({"launch_pdl": True} if pdl else {}),
     )
 

@@ -21,6 +21,10 @@ With PDL the launch is a programmatic dependent: each program prefetches its chu
 L2 and then waits for the previous kernel before its first read of an activation. It lets the next
 kernel start as it begins, or with RELEASE_LATE once its partial products are stored (the finisher,
 a latency-bound chain on one program per token block, then runs beside the next kernel's prefetch).
+The kernel is compiled without floating-point contraction (the launch passes enable_fp_fusion=False):
+every sum and product rounds as written and the fused multiply-adds of the hot loops are explicit
+(tl.fma), so each compiled form (plain, programmatic, late release, deferred Sinkhorn) gives the same
+bits; with contraction on, ptxas fuses the remaining pairs differently in each.
 """
 
 from __future__ import annotations
@@ -164,7 +168,8 @@ def _mhc_finish(
         sc = tl.where(a == 0, s0, tl.where(a == 1, s1, s2))
         bs = tl.load(base_ptr + a * N + b, mask=valid, other=0.0)
         rm = tl.rsqrt(ssq / (N * D) + rms_eps)
-        z = tl.where(valid, t3 * rm[:, None, None] * sc + bs, 0.0)
+        z = tl.where(valid, tl.fma(t3 * rm[:, None, None], tl.broadcast_to(sc, (BT, ROWS, N)),
+                                   tl.broadcast_to(bs, (BT, ROWS, N))), 0.0)
         sig = 1.0 / (1.0 + tl.exp(-z))
         pre = tl.sum(tl.where(a == 0, sig + hc_eps, 0.0), axis=1)
         post = tl.sum(tl.where(a == 1, post_mult * sig, 0.0), axis=1)
@@ -301,19 +306,20 @@ def mhc_kernel(
                 # hc_post: post[j] * out + sum_i comb[i, j] * streams[i], cast to the model dtype.
                 v = tl.load(post_ptr + tok * N + j, mask=tmask, other=0.0)[:, None] * o
                 for i in tl.static_range(N):
-                    v += cs[i * N + j][:, None] * src[i].to(tl.float32)
+                    v = tl.fma(tl.broadcast_to(cs[i * N + j][:, None], (BT, SUB)), src[i].to(tl.float32), v)
                 v = v.to(dtype).to(tl.float32)
             if MODE == 2:
                 msum += v
             else:
                 tl.store(new_streams_ptr + (tok[:, None] * N + j) * D + d[None, :], v.to(dtype), mask=m2)
-                ssq += v * v
-                acc += v[:, None, :] * mix[j][None, :, :]
+                ssq = tl.fma(v, v, ssq)
+                acc = tl.fma(tl.broadcast_to(v[:, None, :], (BT, W, SUB)),
+                             tl.broadcast_to(mix[j][None, :, :], (BT, W, SUB)), acc)
         if MODE == 2:
             mean = (msum / N).to(dtype)
             tl.store(x_ptr + tok[:, None] * D + d[None, :], mean, mask=m2)
             mf = mean.to(tl.float32)
-            ssq += mf * mf
+            ssq = tl.fma(mf, mf, ssq)
     part = tl.where(kk[None, :] == SSQ, tl.sum(ssq, axis=1)[:, None], tl.sum(acc, axis=2))
     tl.store(part_ptr + (tok[:, None] * NC + c) * W + kk[None, :], part, mask=tmask[:, None])
     # Every thread's stores precede the release of the ticket.
