@@ -15,8 +15,9 @@ MODE 0: boundary; MODE 1: first layer (the streams are n copies of `out`); MODE 
 (the mean of the new streams, then the final RMSNorm: only the sum-of-squares slot is used).
 A boundary may leave its comb pending (ITERS = 1: the finisher stores it after the first Sinkhorn
 iteration) for the next one to finish (ITERS_IN: the remaining iterations, run by every chunk
-program while its first loads are in flight): Sinkhorn's chain of dependent normalisations then
-leaves the finisher, the launch's critical path, and the values are the same as the finisher's.
+program while its first loads are in flight), with the same values as the finisher's. Sinkhorn's
+chain of dependent normalisations then leaves the finisher but enters every chunk program; the H200
+tuner of 2026-12-04 measured that faster only at 16 and 32 tokens.
 With PDL the launch is a programmatic dependent: each program prefetches its chunk of the mixer into
 L2 and then waits for the previous kernel before its first read of an activation. It lets the next
 kernel start as it begins, or with RELEASE_LATE once its partial products are stored (the finisher,
