@@ -11,6 +11,7 @@
 # leaves the others' results. Triton's compiled kernels go to $TRITON_CACHE_DIR (default
 # .triton-cache in this tree, ignored by git), so a later call on the same machine skips compiling.
 set -u
+POLICY=
 OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-.}
@@ -53,9 +54,12 @@ for step in "$@"; do
             # a first tune step starts from the shipped H200 table, so tuning a few sizes leaves the others as shipped.
             [ -f "$OUT/policy.json" ] || cp glm5next/specialized_decode/policies/nvidia-h200.json "$OUT/policy.json"
             run "tune-${sizes//,/-}" 420 python -m glm5next.cli tune-policy --sizes "$sizes" \
-                --out "$OUT/policy.json" --merge ;;
+                --out "$OUT/policy.json" --merge
+            POLICY=$OUT/policy.json ;;
         specialized)
-            run specialized 420 python -m glm5next.cli bench --mode specialized --out "$OUT/specialized.json" ;;
+            # After a tune step of the same call, with the table it wrote; else with the shipped one.
+            run specialized 420 python -m glm5next.cli bench --mode specialized --out "$OUT/specialized.json" \
+                ${POLICY:+--policy "$POLICY"} ;;
         speculative)
             run speculative 420 python -m glm5next.cli bench --mode speculative --requests 1,4,16 \
                 --num-speculative-tokens 2 --replays 10 --out "$OUT/speculative.json" ;;

@@ -394,6 +394,23 @@ def test_boundary_sweep_times_deferral_when_asked(monkeypatch):
     assert set(seen) == {(32, False, False)}
 
 
+def test_boundary_sweep_times_contraction_when_asked(monkeypatch):
+    """`fp_fusion` (False, True): each tiling once as shipped and once compiled with contraction, the
+    module's setting restored afterwards."""
+    import glm5next.bench.sweep as sweep
+    import glm5next.kernels.boundary as boundary_kernels
+
+    seen = []
+    monkeypatch.setattr(sweep, "_time", lambda fn, calls, replays: fn() or 1.0)
+    monkeypatch.setattr(sweep, "boundary_mixer", lambda device: (None, None, None))
+    monkeypatch.setattr(sweep, "boundary_state", lambda T, device: (None,) * 4)
+    monkeypatch.setattr(sweep, "mhc_boundary", lambda *a, **k: seen.append((k["chunk"], boundary_kernels.FP_FUSION)))
+    rows = sweep.sweep_boundary("cpu", [1], 1, block_ts=(1,), chunks=(32,), fp_fusion=(False, True))
+    assert [r["variant"] for r in rows] == ["bt1-c32", "bt1-c32-contracted"]
+    assert sorted(set(seen)) == [(32, False), (32, True)]
+    assert boundary_kernels.FP_FUSION is False
+
+
 def test_tune_merge_keeps_the_sizes_not_measured():
     """`tune-policy --merge`: the new run's token counts win, the file's others stay (tables and times,
     in token order); another GPU's file or an unknown choice is refused, naming it."""

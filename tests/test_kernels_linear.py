@@ -187,9 +187,15 @@ def test_tensor_descriptor_loads(split_k, monkeypatch):
 
 
 def test_fp16_products_are_the_default_for_fp8_up_to_16_rows():
+    """And at 17-32 rows for FP8 weights of at least 32 Mi elements (a gated call counts both)."""
     fp8 = dict(ns=[4096], K=4096, weight_bytes=1)
     assert plan_launch(1, **fp8).half and plan_launch(16, **fp8).half
     assert not plan_launch(17, **fp8).half and not plan_launch(64, **fp8).half
+    large = dict(ns=[4096, 4096], K=4096, weight_bytes=1)  # 32 Mi elements
+    assert plan_launch(17, **large).half and plan_launch(32, **large).half
+    assert not plan_launch(33, **large).half and not plan_launch(64, **large).half
+    assert plan_launch(24, **fp8, gated=True).half and not plan_launch(24, [4095], 4096, 1, gated=True).half
+    assert not plan_launch(24, [4096, 4095], 4096, 1).half
     assert not plan_launch(8, [4096], 4096, 2).half  # bf16 weights
     assert not plan_launch(8, **fp8, x_bytes=4).half  # fp32 activations
     assert not plan_launch(8, **fp8, mode="gemv").half
@@ -199,9 +205,10 @@ def test_fp16_products_are_the_default_for_fp8_up_to_16_rows():
 def test_tensor_descriptors_are_the_default_with_fp16_products():
     """Where FP8 weights meet fp16 products (mode None) the tiles come through tensor descriptors and a
     gated call halves the heuristic's split; elsewhere, or with an explicit mode, pointer loads."""
-    fp8 = dict(ns=[12288], K=4096, weight_bytes=1)
+    fp8 = dict(ns=[4096], K=4096, weight_bytes=1)
     assert plan_launch(1, **fp8).tma and plan_launch(16, **fp8).tma
     assert not plan_launch(17, **fp8).tma and not plan_launch(8, **fp8, half=False).tma
+    assert plan_launch(32, [12288], 4096, 1).tma and not plan_launch(33, [12288], 4096, 1).tma
     assert not plan_launch(8, **fp8, mode="dot").tma and plan_launch(64, **fp8, mode="tma").tma
     assert not plan_launch(8, [4096], 4096, 2).tma and not plan_launch(8, **fp8, x_bytes=4).tma
     assert not plan_launch(8, **fp8, widest_bytes=2).tma  # a BF16 weight in the same launch

@@ -110,7 +110,7 @@ def test_graph_replay_matches_eager(T):
 
 
 @pytest.mark.parametrize("mode", [True, "late", "deferred"])
-@pytest.mark.parametrize("T", [1, 5, 64])
+@pytest.mark.parametrize("T", [1, 5, 24, 64])
 def test_programmatic_chain_in_a_graph_equals_the_plain_chain(T, mode):
     """first -> boundary -> boundary -> last with every launch a programmatic dependent of the one before
     (each reads what the previous wrote, and prefetches its mixer before waiting for it; "late": each

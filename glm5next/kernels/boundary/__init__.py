@@ -60,17 +60,19 @@ def plan(T: int, D: int, n: int, on_gpu: bool, block_t: int | None = None, chunk
     rows = _p2(n + 3)
     w = rows * n
     if block_t is None:
-        # On an H200 one token per program is fastest at small T (the finisher's work is per
-        # token block and runs on one SM); the interpreter wants few, large programs.
-        block_t = (1 if T <= 32 else 2) if on_gpu else min(_p2(T), 8)
+        # On an H200 one token per program is fastest up to 16 tokens (the finisher's work is per
+        # token block and runs on one SM; at 16 with deferred Sinkhorn, 12.2 us against 14.5 on
+        # two-token blocks), two from 17 (the sweep of 2026-12-04 at 24 / 32 tokens: 14.98 -> 14.52,
+        # 22.65 -> 15.94 us); the interpreter wants few, large programs.
+        block_t = (1 if T <= 16 else 2) if on_gpu else min(_p2(T), 8)
     bt = _p2(block_t)
     if chunk is None:
         # H200 sweep of 2026-12-04 (64 boundaries in a row, programmatic launch, one token per
         # program): chunk 32 at 2-4 tokens (8.22 us against 8.91 with 64 at T = 4), 64 at 1 and at
         # 5-6 (10.53 us with 32 at T = 5: 640 programs no longer fit one wave), 128 at 8 (9.49 us).
-        # Two-token blocks at 33-48 tokens: chunk 128 (T = 48: 20.78 us against 23.94 with 256), 256 at 64
-        # (24.80 against 26.38).
-        chunk = (64 if T == 1 else 32 if T <= 4 else 64 if T <= 6 else 128 if T <= 16 else 256 if T <= 32
+        # Two-token blocks: chunk 128 up to 24 tokens, 256 at 25-32 (T = 32: 15.94 us against 20.02 with
+        # 128), 128 at 33-48 (T = 48: 20.78 us against 23.94 with 256), 256 at 64 (24.80 against 26.38).
+        chunk = (64 if T == 1 else 32 if T <= 4 else 64 if T <= 6 else 128 if T <= 24 else 256 if T <= 32
                  else 128 if T <= 48 else 256) if on_gpu \
             else min(_p2(D), 1024)
     chunk = _p2(chunk)
@@ -90,6 +92,11 @@ def plan(T: int, D: int, n: int, on_gpu: bool, block_t: int | None = None, chunk
         SK4=sk4, BY_TOKEN=by_token,
     )
 
+
+FP_FUSION = False
+"""Whether ptxas may contract a product and a following sum into an FMA. Off: each compiled form of
+the kernel (plain, programmatic, late release, deferred Sinkhorn) then gives the same bits, which they
+did not with it on (H200, 2026-12-04). The tiling sweep's `--fp-fusion` times both forms."""
 
 PDL: bool | None = None
 """Launch as programmatic dependents (see `glm5next.kernels.pdl`): each program fetches its chunk of
@@ -129,7 +136,7 @@ def _launch(mode, out, streams, post, comb, fn, base, scale, w, new_streams, new
         T, float(hc_eps), float(rms_eps), float(norm_eps), float(post_mult),
         D=D, N=n, MODE=mode, ITERS=1 if defer else int(sinkhorn_iters), PDL=pdl, RELEASE_LATE=pdl and late,
         ITERS_IN=int(pending_iters), **p,
-        num_warps=NUM_WARPS, enable_fp_fusion=False,
+        num_warps=NUM_WARPS, enable_fp_fusion=FP_FUSION,
         **({"launch_pdl": True} if pdl else {}),
     )
 

@@ -22,7 +22,7 @@ With PDL the launch is a programmatic dependent: each program prefetches its chu
 L2 and then waits for the previous kernel before its first read of an activation. It lets the next
 kernel start as it begins, or with RELEASE_LATE once its partial products are stored (the finisher,
 a latency-bound chain on one program per token block, then runs beside the next kernel's prefetch).
-The kernel is compiled without floating-point contraction (the launch passes enable_fp_fusion=False):
+The kernel is compiled without floating-point contraction (`FP_FUSION`, off but for the tiling sweep):
 every sum and product rounds as written and the fused multiply-adds of the hot loops are explicit
 (tl.fma), so each compiled form (plain, programmatic, late release, deferred Sinkhorn) gives the same
 bits; with contraction on, ptxas fuses the remaining pairs differently in each.

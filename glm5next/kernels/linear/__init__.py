@@ -91,8 +91,8 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
     16 rows about 3 programs per SM, rounded down; as many pipeline stages (2-5; at most 4 for FP8
     weights at up to 16 rows) as fit about 100 KB of shared memory, so two or more programs share an
     SM. FP8 weights meet 16-bit activations in fp16 products at BLOCK_M 16 (up to 16 rows; `half`
-    None), where the H200 sweep measured them 1.3x faster than bf16 products; at 64 rows they were
-    slower. Where all weights are FP8 and the products fp16 (mode None), the weight tiles come through
+    None), where the H200 sweep measured them 1.3x faster than bf16 products, and at BLOCK_M 32 for
+    weights of at least 32 Mi elements (gate and up counted both); at 64 rows they were slower. Where all weights are FP8 and the products fp16 (mode None), the weight tiles come through
     tensor descriptors ("tma") and a gated call takes half the split: the H200 sweep of 2026-12-04
     measured the dense gate|up at 1-16 rows 37 -> 33 us, the other shapes equal or up to 4 % faster.
     CPU: the same rules with BLOCK_K 64, 4 "SMs" and 1 K step per split. `pdl` (None: the module's `PDL`) asks for a programmatic
@@ -128,7 +128,10 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
     bn = min(block_n, max(16, triton.next_power_of_2(max(ns))))
     all_fp8 = (widest_bytes or weight_bytes) == 1
     if half is None:
-        half = weight_bytes == 1 and bm == 16
+        # FP8 weights: fp16 products at up to 16 rows, and at 17-32 rows for weights of at least 32 Mi
+        # elements (the H200 sweep of 2026-12-04 at 24 / 32 rows: dense gate|up 57.3 -> 44.2 and
+        # 63.2 -> 43.9 us, the other large weights 4-10 % faster, the smaller ones even or slower).
+        half = weight_bytes == 1 and (bm == 16 or (bm == 32 and K * sum(ns) * (2 if gated else 1) >= 32 << 20))
     half = bool(half) and use_dot and x_bytes == 2
     tma = (mode == "tma" or (mode is None and half)) and all_fp8 and x_bytes == 2 and bk <= 128
     if mode is None and tma and gated:
