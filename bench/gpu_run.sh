@@ -3,7 +3,8 @@
 #
 #   OUT=DIR bench/gpu_run.sh STEP [STEP ...]
 #
-# STEP: tests[:kernels|boundary|specialized|graph|bf16] | tune:SIZES (e.g. tune:1,2,4,8) | specialized | speculative | sweep[:M,M,...] | sweep-boundary[:T,T,...]
+# STEP: tests[:kernels|boundary|specialized|graph|bf16|stamps] | tune:SIZES (e.g. tune:1,2,4,8) | specialized | speculative
+#       | sweep[:M,M,...] | sweep-boundary[:T,T,...] | overlap[:T,T,...] (kernel timestamps of boundary + DSA group pairs)
 #       | ncu[:CASE,CASE,...] (Nsight Compute over glm5next.bench.profile_kernels' cases, e.g. ncu:dsa_group:1,boundary:8)
 # (SWEEP_ARGS adds options to the sweep, e.g. "--skip-probe --variants heuristic,swap"; NCU_ARGS to the profiled script,
 # e.g. "--variant bn32").
@@ -44,7 +45,8 @@ for step in "$@"; do
                 specialized) files=tests/gpu/test_specialized.py ;;
                 graph) files=tests/gpu/test_graph_decode.py ;;
                 bf16) files="tests/gpu/test_specialized.py -k bf16_are_as_exact" ;;
-                *) echo "unknown test part: $part (kernels, boundary, specialized, graph, bf16)" >&2; exit 2 ;;
+                stamps) files=tests/gpu/test_stamps.py ;;
+                *) echo "unknown test part: $part (kernels, boundary, specialized, graph, bf16, stamps)" >&2; exit 2 ;;
             esac
             run "gpu-tests${part:+-$part}" 480 python -m pytest -v -rP -p no:cacheprovider \
                 -o faulthandler_timeout=240 --durations=15 $files ;;
@@ -75,6 +77,11 @@ for step in "$@"; do
             # (SWEEP_ARGS narrows the tilings, e.g. "--block-t 1 --chunks 32,64,128": about 14 s each, mostly compiling.)
             run sweep-boundary 300 python -m glm5next.bench.sweep --skip-linear --skip-probe --t "${t:-1,4,8,16}" \
                 --out "$OUT/sweep-boundary.json" ${SWEEP_ARGS:-} ;;
+        overlap | overlap:*)
+            # How each boundary and the DSA group after it overlap, per projection choice (OVERLAP_ARGS adds options).
+            t=${step#overlap}
+            t=${t#:}
+            run overlap 300 python -m glm5next.bench.overlap --t "${t:-1,8}" --out "$OUT/overlap.json" ${OVERLAP_ARGS:-} ;;
         ncu | ncu:*)
             # The details page (throughput, stall reasons, occupancy) and the per-instruction SASS counters as
             # text; the report itself stays under $OUT as ncu.ncu-rep.
@@ -87,7 +94,7 @@ for step in "$@"; do
             "$ncu" -i "$OUT/ncu.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu-sass.csv" 2>&1
             echo "ncu export: $(wc -l < "$OUT/ncu-details.txt") detail lines, $(wc -l < "$OUT/ncu-sass.csv") sass lines" ;;
         *)
-            echo "unknown step: $step (tests[:PART], tune:SIZES, specialized, speculative, sweep[:M,...], sweep-boundary[:T,...], ncu[:CASES])" >&2
+            echo "unknown step: $step (tests[:PART], tune:SIZES, specialized, speculative, sweep[:M,...], sweep-boundary[:T,...], overlap[:T,...], ncu[:CASES])" >&2
             exit 2 ;;
     esac
 done

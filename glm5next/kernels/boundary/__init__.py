@@ -18,6 +18,7 @@ import torch
 import triton
 
 from .. import pdl as _pdl
+from .. import stamps as _stamps
 from .kernel import mhc_kernel
 
 __all__ = ["mhc_boundary", "mhc_first", "mhc_last", "plan"]
@@ -98,6 +99,10 @@ FP_FUSION = False
 the kernel (plain, programmatic, late release, deferred Sinkhorn) then gives the same bits, which they
 did not with it on (H200, 2026-12-04). The tiling sweep's `--fp-fusion` times both forms."""
 
+STAMPS: torch.Tensor | None = None
+"""A buffer from `glm5next.kernels.stamps.buffer` (one row per program: NC x token blocks): the next
+launch writes its programs' timestamps there (GPU only; for the overlap benchmark). None: no stamps."""
+
 PDL: bool | None = None
 """Launch as programmatic dependents (see `glm5next.kernels.pdl`): each program fetches its chunk of
 the mixer into L2 while the previous kernel finishes. None: wherever the device supports it (the H200
@@ -126,6 +131,7 @@ def _launch(mode, out, streams, post, comb, fn, base, scale, w, new_streams, new
     want = PDL if pdl is None else pdl  # None: wherever the device has it
     late = pdl == "late"
     pdl = want is not False and _pdl.enabled(out.device)
+    stamped = _stamps.check(STAMPS, p["NC"] * nt, out.device)
     mhc_kernel[(p["NC"], nt)](
         out, dummy if streams is None else streams, dummy if post is None else post,
         dummy if comb is None else comb, dummy if fn is None else fn, dummy if base is None else base,
@@ -133,9 +139,9 @@ def _launch(mode, out, streams, post, comb, fn, base, scale, w, new_streams, new
         dummy if new_streams is None else new_streams, dummy if new_post is None else new_post,
         dummy if new_comb is None else new_comb, x,
         part, _tickets(out.device),
-        T, float(hc_eps), float(rms_eps), float(norm_eps), float(post_mult),
+        T, float(hc_eps), float(rms_eps), float(norm_eps), float(post_mult), STAMPS if stamped else part,
         D=D, N=n, MODE=mode, ITERS=1 if defer else int(sinkhorn_iters), PDL=pdl, RELEASE_LATE=pdl and late,
-        ITERS_IN=int(pending_iters), **p,
+        ITERS_IN=int(pending_iters), STAMP=stamped, **p,
         num_warps=NUM_WARPS, enable_fp_fusion=FP_FUSION,
         **({"launch_pdl": True} if pdl else {}),
     )

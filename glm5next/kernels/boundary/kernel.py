@@ -36,6 +36,7 @@ import triton.language as tl
 from ..pdl import launch_dependents as _launch_dependents
 from ..pdl import prefetch_l2 as _prefetch_l2
 from ..pdl import wait_previous as _wait_previous
+from ..stamps import stamp as _stamp
 
 
 @triton.jit
@@ -247,12 +248,13 @@ def mhc_kernel(
     fn_ptr, base_ptr, scale_ptr, w_ptr,
     new_streams_ptr, new_post_ptr, new_comb_ptr, x_ptr,
     part_ptr, ticket_ptr,
-    T, hc_eps, rms_eps, norm_eps, post_mult,
+    T, hc_eps, rms_eps, norm_eps, post_mult, stamp_ptr,
     D: tl.constexpr, N: tl.constexpr, ROWS: tl.constexpr, MODE: tl.constexpr, ITERS: tl.constexpr,
     BT: tl.constexpr, SUB: tl.constexpr, NSUB: tl.constexpr, NC: tl.constexpr, NCB: tl.constexpr,
     FIN: tl.constexpr, SK4: tl.constexpr, BY_TOKEN: tl.constexpr, PDL: tl.constexpr,
-    RELEASE_LATE: tl.constexpr = False, ITERS_IN: tl.constexpr = 0,
+    RELEASE_LATE: tl.constexpr = False, ITERS_IN: tl.constexpr = 0, STAMP: tl.constexpr = False,
 ):
+    _stamp(stamp_ptr, 0, STAMP)
     W: tl.constexpr = ROWS * N
     SSQ: tl.constexpr = (2 + N) * N
     CHUNK: tl.constexpr = SUB * NSUB
@@ -272,7 +274,9 @@ def mhc_kernel(
         if MODE != 2 and D % 4 == 0:  # whole 16-byte pieces of fp32 rows
             rows = fn_ptr + kk[:, None] * (N * D) + tl.arange(0, N)[None, :] * D + c * CHUNK
             _prefetch_l2(rows, tl.minimum(CHUNK, D - c * CHUNK) * 4, (kk < SSQ)[:, None])
+        _stamp(stamp_ptr, 1, STAMP)
         _wait_previous()
+        _stamp(stamp_ptr, 2, STAMP)
     # A pending comb (ITERS_IN > 0) gets its remaining Sinkhorn iterations here: on the register
     # path once the first sub-tile's loads are in flight (below), else in tile form now.
     SK_HERE: tl.constexpr = ITERS_IN > 0 and SK4 > 0 and N == 4
@@ -325,14 +329,17 @@ def mhc_kernel(
     tl.store(part_ptr + (tok[:, None] * NC + c) * W + kk[None, :], part, mask=tmask[:, None])
     # Every thread's stores precede the release of the ticket.
     tl.debug_barrier()
+    _stamp(stamp_ptr, 3, STAMP)
     if PDL and RELEASE_LATE:
         _launch_dependents()
     ticket = tl.atomic_add(ticket_ptr + tb, 1, sem="acq_rel")
     if ticket == NC - 1:
         tl.store(ticket_ptr + tb, 0)
+        _stamp(stamp_ptr, 4, STAMP)
         _mhc_finish(
             tok, tmask, kk,
             fn_ptr, base_ptr, scale_ptr, w_ptr, new_streams_ptr, new_post_ptr, new_comb_ptr, x_ptr, part_ptr,
             hc_eps, rms_eps, norm_eps, post_mult,
             D, N, ROWS, MODE, ITERS, BT, NC, NCB, FIN, SK4, BY_TOKEN,
         )
+    _stamp(stamp_ptr, 5, STAMP)

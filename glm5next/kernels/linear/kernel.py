@@ -33,6 +33,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import pdl as _pdl
 from ..pdl import launch_dependents, prefetch_l2, wait_previous
+from .. import stamps as _stamps
+from ..stamps import stamp
 
 MAX_PROJECTIONS = 6
 COUNTER_SLOTS = 1 << 14
@@ -78,6 +80,10 @@ class LaunchPlan:
 
 PREFETCH_BYTES = 32 << 20
 """Most weight bytes one launch pulls into L2 before its wait (the H200's L2 holds 60 MB)."""
+
+STAMPS: torch.Tensor | None = None
+"""A buffer from `glm5next.kernels.stamps.buffer` (one row per program: tiles x splits): the next
+launch writes its programs' timestamps there (GPU only; for the overlap benchmark). None: no stamps."""
 
 
 @triton.jit
@@ -218,10 +224,10 @@ def _finish(acc, acc2, o_ptr, stride_om, n0, M, N, limit, TWO: tl.constexpr,
 @triton.jit
 def _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, local, pid_k, ws_ptr, cnt_ptr,
              num_tiles, limit, s_stride, w_ptr, s_ptr, w2_ptr, s2_ptr, o_ptr, stride_om, N, r_ptr, r2_ptr, pf_iters,
-             IS_FP8: tl.constexpr, F32: tl.constexpr, TWO: tl.constexpr, SPLIT: tl.constexpr,
+             stamp_ptr, IS_FP8: tl.constexpr, F32: tl.constexpr, TWO: tl.constexpr, SPLIT: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
              F32_SUB: tl.constexpr, HALF: tl.constexpr, SWAP: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr,
-             PDL_LATE: tl.constexpr):
+             PDL_LATE: tl.constexpr, STAMP: tl.constexpr):
     """One program's share of one projection: tile `local` of it, K split `pid_k`. With PDL it first lets
     the next kernel start (with PDL_LATE only after its products), prefetches its weight tiles' first
     pf_iters K steps (from the plain pointers r_ptr / r2_ptr) and waits for the previous kernel."""
@@ -232,7 +238,9 @@ def _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, local, pid_k, 
             _prefetch_tile(r_ptr, local, pid_k, N, K, ITERS, pf_iters, BLOCK_N, BLOCK_K)
             if TWO:
                 _prefetch_tile(r2_ptr, local, pid_k, N, K, ITERS, pf_iters, BLOCK_N, BLOCK_K)
+        stamp(stamp_ptr, 1, STAMP)
         wait_previous()
+        stamp(stamp_ptr, 2, STAMP)
     n0 = local * BLOCK_N
     it0 = pid_k * ITERS
     n_it = tl.minimum(ITERS, K_ITERS - it0)
@@ -251,6 +259,8 @@ def _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, local, pid_k, 
                                     SWAP, TMA)
     if PDL and PDL_LATE:
         launch_dependents()
+    if not SPLIT:
+        stamp(stamp_ptr, 3, STAMP)
     if SPLIT:
         TILE: tl.constexpr = BLOCK_M * BLOCK_N
         PARTS: tl.constexpr = 2 if TWO else 1
@@ -263,8 +273,10 @@ def _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, local, pid_k, 
         if TWO:
             tl.store(mine + pid_k * split_stride + TILE, acc2, mask=keep)
         tl.debug_barrier()  # every thread's partial is written before the release below
+        stamp(stamp_ptr, 3, STAMP)
         arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if arrived == split - 1:
+            stamp(stamp_ptr, 4, STAMP)
             tot = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             tot2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for s in range(split):  # fixed order: the result does not depend on who came last
@@ -286,52 +298,56 @@ def skinny_kernel(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, ws_ptr, cnt_ptr
                   w3, s3, o3, so3, N3, T4,
                   w4, s4, o4, so4, N4, T5,
                   w5, s5, o5, so5, N5,
-                  pf_iters, up_r, r0, r1, r2, r3, r4, r5,
+                  pf_iters, up_r, r0, r1, r2, r3, r4, r5, stamp_ptr,
                   NUM: tl.constexpr, FP8_MASK: tl.constexpr, F32_MASK: tl.constexpr, TWO: tl.constexpr,
                   SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   USE_DOT: tl.constexpr, F32_SUB: tl.constexpr, HALF: tl.constexpr, SWAP: tl.constexpr,
-                  TMA: tl.constexpr, PDL: tl.constexpr, PDL_LATE: tl.constexpr):
+                  TMA: tl.constexpr, PDL: tl.constexpr, PDL_LATE: tl.constexpr, STAMP: tl.constexpr = False):
     """Grid (num_tiles, split). Projection p owns tiles [T_p, T_{p+1}) (T_0 = 0, T_NUM = num_tiles);
     bit p of FP8_MASK / F32_MASK says whether its weight is FP8 / whether it multiplies in fp32.
     With TWO (one projection only) projection 0 is the gate and up_w/up_s the up weight. With TMA every
     weight (w_p, up_w) is a tensor descriptor. r_p / up_r are the weights' plain pointers, for the L2
-    prefetch of a programmatic-dependent launch (PDL)."""
+    prefetch of a programmatic-dependent launch (PDL). With STAMP each program writes its timestamps
+    to stamp_ptr (`glm5next.kernels.stamps`)."""
+    stamp(stamp_ptr, 0, STAMP)
     tile = tl.program_id(0)
     pid_k = tl.program_id(1)
     if tile < T1:
         _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile, pid_k, ws_ptr, cnt_ptr, num_tiles,
-                 limit, s_stride, w0, s0, up_w, up_s, o0, so0, N0, r0, up_r, pf_iters, FP8_MASK & 1, F32_MASK & 1, TWO,
-                 SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE)
+                 limit, s_stride, w0, s0, up_w, up_s, o0, so0, N0, r0, up_r, pf_iters, stamp_ptr, FP8_MASK & 1,
+                 F32_MASK & 1, TWO, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE,
+                 STAMP)
     if NUM > 1:
         if (tile >= T1) & (tile < T2):
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T1, pid_k, ws_ptr, cnt_ptr,
-                     num_tiles, limit, s_stride, w1, s1, w1, s1, o1, so1, N1, r1, r1, pf_iters,
+                     num_tiles, limit, s_stride, w1, s1, w1, s1, o1, so1, N1, r1, r1, pf_iters, stamp_ptr,
                      (FP8_MASK >> 1) & 1, (F32_MASK >> 1) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
-                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE)
+                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP)
     if NUM > 2:
         if (tile >= T2) & (tile < T3):
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T2, pid_k, ws_ptr, cnt_ptr,
-                     num_tiles, limit, s_stride, w2, s2, w2, s2, o2, so2, N2, r2, r2, pf_iters,
+                     num_tiles, limit, s_stride, w2, s2, w2, s2, o2, so2, N2, r2, r2, pf_iters, stamp_ptr,
                      (FP8_MASK >> 2) & 1, (F32_MASK >> 2) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
-                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE)
+                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP)
     if NUM > 3:
         if (tile >= T3) & (tile < T4):
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T3, pid_k, ws_ptr, cnt_ptr,
-                     num_tiles, limit, s_stride, w3, s3, w3, s3, o3, so3, N3, r3, r3, pf_iters,
+                     num_tiles, limit, s_stride, w3, s3, w3, s3, o3, so3, N3, r3, r3, pf_iters, stamp_ptr,
                      (FP8_MASK >> 3) & 1, (F32_MASK >> 3) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
-                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE)
+                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP)
     if NUM > 4:
         if (tile >= T4) & (tile < T5):
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T4, pid_k, ws_ptr, cnt_ptr,
-                     num_tiles, limit, s_stride, w4, s4, w4, s4, o4, so4, N4, r4, r4, pf_iters,
+                     num_tiles, limit, s_stride, w4, s4, w4, s4, o4, so4, N4, r4, r4, pf_iters, stamp_ptr,
                      (FP8_MASK >> 4) & 1, (F32_MASK >> 4) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
-                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE)
+                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP)
     if NUM > 5:
         if tile >= T5:
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T5, pid_k, ws_ptr, cnt_ptr,
-                     num_tiles, limit, s_stride, w5, s5, w5, s5, o5, so5, N5, r5, r5, pf_iters,
+                     num_tiles, limit, s_stride, w5, s5, w5, s5, o5, so5, N5, r5, r5, pf_iters, stamp_ptr,
                      (FP8_MASK >> 5) & 1, (F32_MASK >> 5) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
-                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE)
+                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP)
+    stamp(stamp_ptr, 5, STAMP)
 
 
 def tile_counters(device: torch.device) -> torch.Tensor:
@@ -413,11 +429,13 @@ def launch(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tens
     pdl = plan.pdl and _pdl.enabled(x.device)
     pf_iters = _prefetch_iters(every, iters) if pdl else 0
     raw = [x if up is None else up[0]] + [weights[p] if p < len(weights) else x for p in range(MAX_PROJECTIONS)]
+    stamps = STAMPS
+    stamped = _stamps.check(stamps, total * split, x.device)
     skinny_kernel[(total, split)](
         x, x.stride(0), M, K, k_iters, iters, split, ws, cnt, total, float(limit), s_stride, up_w, up_s, *per_proj,
-        pf_iters, *raw,
+        pf_iters, *raw, stamps if stamped else ws,
         NUM=len(weights), FP8_MASK=fp8_mask, F32_MASK=f32_mask, TWO=up is not None, SPLIT=split > 1,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_DOT=plan.use_dot, F32_SUB=min(plan.f32_sub_k, bk), HALF=plan.half,
-        SWAP=plan.swap, TMA=tma, PDL=pdl, PDL_LATE=pdl and plan.pdl_late, num_warps=plan.num_warps,
+        SWAP=plan.swap, TMA=tma, PDL=pdl, PDL_LATE=pdl and plan.pdl_late, STAMP=stamped, num_warps=plan.num_warps,
         num_stages=plan.num_stages,
         **({"launch_pdl": True} if pdl else {}))

@@ -1,0 +1,162 @@
+"""How the boundary and the projection group launched after it overlap, from timestamps the kernels
+write themselves (`glm5next.kernels.stamps`; the profilers cannot show two kernels side by side here).
+
+    python -m glm5next.bench.overlap --t 1,8 --layers 8 --out overlap.json
+
+A CUDA graph of `layers` pairs in a row, each a fused boundary followed by a projection group of
+`sweep.SHAPES` (default the DSA group), every pair on its own weights so that the group's prefetch
+reads HBM, launched as the executor launches them for a choice of the projection stage: "overlap"
+("grouped-overlap": the boundary releases the group once its partial products are stored, the group
+is a programmatic dependent), "early" ("grouped-early": released as the boundary starts) or
+"grouped" (each launch as the module's defaults have it). The graph is timed by CUDA events (median
+of replays, per pair), then replayed once more with every launch writing its stamps.
+
+Per pair, times in µs from the first start of any of the boundary's programs: for each kernel and
+stamp, the first / median / last program; and how the two met — how many of the group's programs
+had issued their prefetch before the boundary's last program ended, and when the group's waits
+returned and its last program ended, counted from that end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from ..kernels import boundary as _boundary
+from ..kernels import stamps as _stamps
+from ..kernels.boundary import mhc_boundary
+from ..kernels.linear import kernel as _linear_kernel
+from ..kernels.linear import skinny_linear_multi
+from .floor import capture, time_replays
+from .sweep import BOUNDARY_KW, SHAPES, boundary_mixer, boundary_state, shape_weights
+
+MODES = {"overlap": ("late", True), "early": (None, True), "grouped": (None, None)}
+"""Choice -> (the boundary's `pdl`, the group's `pdl`), as the executor launches them."""
+
+ROWS = 8192
+"""Stamp rows per launch: more than any launch here has programs (unused rows stay zero)."""
+
+
+def pair_report(boundary: torch.Tensor, group: torch.Tensor) -> dict:
+    """The stamps of one boundary launch and the group launched after it, summarised (see the module)."""
+    rows = boundary.cpu()
+    rows = rows[rows[:, _stamps.START] != 0]
+    if rows.shape[0] == 0:
+        raise ValueError("the boundary launch wrote no stamps")
+    origin = int(rows[:, _stamps.START].min())
+    b = _stamps.summarize(boundary, origin)
+    g = _stamps.summarize(group, origin)
+    if "start" not in g:
+        raise ValueError("the group launch wrote no stamps")
+    b_end = b["end"]["last"]
+    grows = group.cpu()
+    grows = grows[grows[:, _stamps.START] != 0]
+    pre = grows[:, _stamps.PREFETCHED]
+    pre = pre[pre != 0]
+    met = dict(
+        boundary_us=b_end,
+        group_started_before_boundary_end=int(((grows[:, _stamps.START] - origin) / 1000 <= b_end).sum()),
+        group_prefetched_before_boundary_end=int(((pre - origin) / 1000 <= b_end).sum()),
+        group_programs=g["programs"],
+    )
+    if "waited" in g:
+        met["group_waited_after_boundary_end"] = dict(first=g["waited"]["first"] - b_end,
+                                                      last=g["waited"]["last"] - b_end)
+    met["group_end_after_boundary_end"] = g["end"]["last"] - b_end
+    return dict(boundary=b, group=g, met=met)
+
+
+def median_report(pairs: list[dict]) -> dict:
+    """The median over pairs of every number in `pair_report`'s `met` (nested first/last included)."""
+    out = {}
+    for key, v in pairs[0]["met"].items():
+        if isinstance(v, dict):
+            out[key] = {k: statistics.median(p["met"][key][k] for p in pairs) for k in v}
+        else:
+            out[key] = statistics.median(p["met"][key] for p in pairs)
+    return out
+
+
+def run(device, T: int, mode: str, case: str, layers: int, replays: int) -> dict:
+    b_pdl, g_pdl = MODES[mode]
+    shapes = SHAPES[case][0]
+    if SHAPES[case][1]:
+        raise ValueError(f"{case}: a gated case is not a projection group")
+    state = boundary_state(T, torch.device(device))
+    D, n = state[1].shape[2], state[1].shape[1]
+    outs = [torch.empty(T, n, D, device=device, dtype=torch.bfloat16), torch.empty(T, n, device=device),
+            torch.empty(T, n, n, device=device), torch.empty(T, D, device=device, dtype=torch.bfloat16)]
+    mixers = [boundary_mixer(device) for _ in range(layers)]
+    groups = [shape_weights(case, device)[0] for _ in range(layers)]
+    y = [[torch.empty(T, w.shape[0], device=device, dtype=torch.bfloat16) for w, _ in g] for g in groups]
+    bufs = [(_stamps.buffer(ROWS, device), _stamps.buffer(ROWS, device)) for _ in range(layers)]
+
+    def step(stamped: bool):
+        for i in range(layers):
+            _boundary.STAMPS = bufs[i][0] if stamped else None
+            mhc_boundary(*state, *mixers[i], **BOUNDARY_KW, sinkhorn_iters=20, new_streams=outs[0],
+                         new_post=outs[1], new_comb=outs[2], x=outs[3], pdl=b_pdl)
+            _linear_kernel.STAMPS = bufs[i][1] if stamped else None
+            skinny_linear_multi(outs[3], groups[i], y[i], pdl=g_pdl)
+        _boundary.STAMPS = _linear_kernel.STAMPS = None
+
+    try:
+        plain = capture(lambda: step(False))
+        us = statistics.median(time_replays(plain, replays, 2)) * 1e3 / layers
+        stamped = capture(lambda: step(True))
+        us_stamped = statistics.median(time_replays(stamped, replays, 2)) * 1e3 / layers
+        for b, g in bufs:
+            b.zero_()
+            g.zero_()
+        stamped.replay()
+        torch.cuda.synchronize()
+    finally:
+        _boundary.STAMPS = _linear_kernel.STAMPS = None
+    pairs = [pair_report(b, g) for b, g in bufs]
+    return dict(t=T, mode=mode, case=case, layers=layers, pair_us=us, pair_us_stamped=us_stamped,
+                median=median_report(pairs[1:] or pairs), pairs=pairs)
+
+
+def _print(r: dict) -> None:
+    m = r["median"]
+    waited = m.get("group_waited_after_boundary_end", {})
+    w0, w1 = waited.get("first", float("nan")), waited.get("last", float("nan"))
+    print(f"T={r['t']:2d} {r['mode']:8s} pair {r['pair_us']:6.2f} us ({r['pair_us_stamped']:6.2f} stamped) | "
+          f"boundary {m['boundary_us']:5.2f} us | group: {m['group_started_before_boundary_end']:.0f} of "
+          f"{m['group_programs']:.0f} started, {m['group_prefetched_before_boundary_end']:.0f} prefetched "
+          f"before its end; waits return {w0:+.2f}..{w1:+.2f}, "
+          f"ends {m['group_end_after_boundary_end']:+.2f} us after it", flush=True)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--t", default="1,8", help="token counts")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {', '.join(MODES)}")
+    p.add_argument("--case", default="dsa_group", help="the projection group, a case of sweep.SHAPES")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--replays", type=int, default=20)
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    modes = a.modes.split(",")
+    for bad in [m for m in modes if m not in MODES] + ([a.case] if a.case not in SHAPES else []):
+        raise SystemExit(f"unknown mode or case: {bad}")
+    if a.layers < 1:
+        raise SystemExit("--layers must be at least 1")
+    if not torch.cuda.is_available():
+        raise SystemExit("the overlap benchmark needs a GPU (kernel timestamps)")
+    device = torch.device("cuda")
+    results = []
+    for T in [int(t) for t in a.t.split(",")]:
+        for mode in modes:
+            results.append(run(device, T, mode, a.case, a.layers, a.replays))
+            _print(results[-1])
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(device), "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

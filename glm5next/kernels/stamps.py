@@ -1,0 +1,87 @@
+"""Timestamps written from inside a kernel, to see how launches overlap on the GPU.
+
+Nsight Compute replays each kernel alone, so it cannot show the programs of one kernel running beside
+those of the kernel before it (a programmatic dependent launch), and Nsight Systems does not run on
+our H200 machines. A kernel compiled with its STAMP flag instead writes, for each program, the GPU's
+global nanosecond timer (`%globaltimer`, one clock for every SM) at fixed points of its work, and the
+SM it ran on, into a [programs, SLOTS] int64 buffer; a program that skips a point leaves its slot 0.
+
+The slots (the kernels write those they have):
+  START       the program's first instruction
+  PREFETCHED  its L2 prefetch issued (programmatic launch), just before it waits
+  WAITED      the previous kernel finished: its wait returned
+  PRODUCTS    its products stored (the split-K partial, or the boundary's chunk partial)
+  FINISH      the program that arrived last at a tile / token block begins the finishing work
+  END         its last instruction
+  SM          the SM it ran on (`%smid`)
+
+The host side sets `STAMPS` of the kernel's module (`glm5next.kernels.boundary`,
+`glm5next.kernels.linear.kernel`) to a buffer from `buffer()` before a launch, so each launch of a captured
+graph can write its own. GPU only: the CPU interpreter has no inline assembly.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+START, PREFETCHED, WAITED, PRODUCTS, FINISH, END, SM = range(7)
+SLOTS = 8
+NAMES = ("start", "prefetched", "waited", "products", "finish", "end")
+
+
+@triton.jit
+def _read_timer(x):
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [x], dtype=tl.int64,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _read_sm(x):
+    return tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [x], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def stamp(ptr, slot: tl.constexpr, STAMP: tl.constexpr):
+    """Write the timer into this program's `slot` (with the SM into slot SM at START); nothing unless STAMP."""
+    if STAMP:
+        prog = tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)
+        tl.store(ptr + prog * 8 + slot, _read_timer(prog))
+        if slot == 0:
+            tl.store(ptr + prog * 8 + 6, _read_sm(prog).to(tl.int64))
+
+
+def buffer(programs: int, device) -> torch.Tensor:
+    """A zeroed [programs, SLOTS] buffer for one launch's stamps."""
+    return torch.zeros(programs, SLOTS, dtype=torch.int64, device=device)
+
+
+def check(buf: torch.Tensor | None, programs: int, device: torch.device) -> bool:
+    """Whether a launch of `programs` programs on `device` writes stamps into `buf` (None: no stamps);
+    a buffer that cannot take them is refused, naming the problem."""
+    if buf is None:
+        return False
+    if device.type != "cuda":
+        raise ValueError("kernel timestamps need a GPU (the CPU interpreter has no inline assembly)")
+    if buf.dtype != torch.int64 or buf.device != device or not buf.is_contiguous() or buf.numel() < programs * SLOTS:
+        raise ValueError(f"the stamp buffer must be a contiguous int64 tensor on {device} with at least "
+                         f"{programs} x {SLOTS} elements, got {tuple(buf.shape)} {buf.dtype} on {buf.device}")
+    return True
+
+
+def summarize(buf: torch.Tensor, origin: int) -> dict:
+    """Per slot, over the programs that wrote it: the earliest, median and latest time in µs after
+    `origin` (a timer value in ns), and how many programs wrote it; plus how many programs ran (rows
+    with a START) and on how many SMs."""
+    rows = buf.cpu().to(torch.int64)
+    rows = rows[rows[:, START] != 0]  # rows past the launch's programs stay zero
+    out = {"programs": rows.shape[0], "sms": int(rows[:, SM].unique().numel())}
+    for slot, name in enumerate(NAMES):
+        v = rows[:, slot]
+        v = v[v != 0]
+        if v.numel() == 0:
+            continue
+        us = (v - origin).to(torch.float64) / 1000
+        out[name] = dict(first=float(us.min()), median=float(us.median()), last=float(us.max()), count=int(v.numel()))
+    return out

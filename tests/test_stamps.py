@@ -1,0 +1,87 @@
+"""Kernel timestamps on the CPU: launches refuse them (the interpreter has no inline assembly) before
+anything runs, a buffer that cannot take them is refused, and the overlap benchmark's summaries."""
+
+import pytest
+import torch
+
+from glm5next.bench import overlap
+from glm5next.kernels import boundary as boundary_kernels
+from glm5next.kernels import stamps
+from glm5next.kernels.linear import kernel as linear_kernel
+from glm5next.kernels.linear import skinny_linear_multi
+
+
+def test_slots_fit_the_rows_the_kernels_write():
+    """The device side writes slot SM at column 6 of rows 8 wide (literals in `stamp`)."""
+    assert stamps.SLOTS == 8 and stamps.SM == 6 and stamps.END < stamps.SM
+    assert stamps.NAMES[stamps.START] == "start" and stamps.NAMES[stamps.END] == "end"
+
+
+def test_buffers_are_checked():
+    assert stamps.check(None, 10, torch.device("cpu")) is False
+    with pytest.raises(ValueError, match="need a GPU"):
+        stamps.check(stamps.buffer(10, "cpu"), 10, torch.device("cpu"))
+    cuda = torch.device("cuda", 0)  # only compared with, never touched
+    with pytest.raises(ValueError, match="at least 10 x 8"):
+        stamps.check(torch.zeros(10, 8, dtype=torch.int64), 10, cuda)  # on the wrong device
+    assert stamps.buffer(3, "cpu").shape == (3, stamps.SLOTS)
+
+
+def test_launches_on_the_cpu_refuse_stamps(monkeypatch):
+    T, D, n = 2, 64, 4
+    out = torch.randn(T, D).to(torch.bfloat16)
+    streams = torch.randn(T, n, D).to(torch.bfloat16)
+    w = (2 + n) * n
+    mixer = (torch.randn(w, n * D), torch.randn(w), torch.rand(3) + 0.5, torch.ones(D, dtype=torch.bfloat16))
+    monkeypatch.setattr(boundary_kernels, "STAMPS", stamps.buffer(64, "cpu"))
+    with pytest.raises(ValueError, match="need a GPU"):
+        boundary_kernels.mhc_boundary(out, streams, torch.rand(T, n), torch.full((T, n, n), 0.25), *mixer,
+                                      hc_eps=1e-6, rms_eps=1e-5, norm_eps=1e-5, sinkhorn_iters=3, post_mult=2.0)
+    monkeypatch.setattr(linear_kernel, "STAMPS", stamps.buffer(64, "cpu"))
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="need a GPU"):
+        skinny_linear_multi(x, [(torch.randn(32, 64).to(torch.bfloat16), None)])
+
+
+def _rows(programs: int, **cols) -> torch.Tensor:
+    buf = torch.zeros(programs + 2, stamps.SLOTS, dtype=torch.int64)  # two rows no program wrote
+    for name, values in cols.items():
+        buf[:programs, getattr(stamps, name.upper())] = torch.tensor(values)
+    return buf
+
+
+def test_pair_report_counts_from_the_boundarys_first_start():
+    """Times in µs from the boundary's first program start (ns stamps); the group's programs that
+    started and prefetched before the boundary's last end; its waits and end after that end."""
+    t0 = 1_000_000
+    b = _rows(3, start=[t0, t0 + 200, t0 + 400], products=[t0 + 3000, t0 + 3100, t0 + 3200],
+              finish=[0, 0, t0 + 3300], end=[t0 + 3050, t0 + 3150, t0 + 6000], sm=[0, 1, 2])
+    g = _rows(4, start=[t0 + 500, t0 + 700, t0 + 5000, t0 + 7000],
+              prefetched=[t0 + 2500, t0 + 6500, t0 + 5500, t0 + 7500],
+              waited=[t0 + 6100, t0 + 6600, t0 + 6100, t0 + 7600], end=[t0 + 9000, t0 + 9500, t0 + 9100, t0 + 11000],
+              sm=[3, 3, 4, 5])
+    r = overlap.pair_report(b, g)
+    assert r["boundary"]["programs"] == 3 and r["boundary"]["sms"] == 3
+    assert r["boundary"]["finish"] == dict(first=3.3, median=3.3, last=3.3, count=1)
+    assert r["boundary"]["start"]["median"] == pytest.approx(0.2)
+    assert r["group"]["programs"] == 4 and r["group"]["sms"] == 3
+    m = r["met"]
+    assert m["boundary_us"] == pytest.approx(6.0)
+    assert m["group_started_before_boundary_end"] == 3 and m["group_prefetched_before_boundary_end"] == 2
+    assert m["group_programs"] == 4
+    assert m["group_waited_after_boundary_end"] == pytest.approx(dict(first=0.1, last=1.6))
+    assert m["group_end_after_boundary_end"] == pytest.approx(5.0)
+    later = [dict(r, met=dict(m, boundary_us=us, group_waited_after_boundary_end=dict(first=f, last=1.6)))
+             for us, f in ((8.0, 0.5), (7.0, 0.3))]
+    med = overlap.median_report([r] + later)
+    assert med["boundary_us"] == 7.0 and med["group_waited_after_boundary_end"]["first"] == 0.3
+    assert med["group_programs"] == 4
+    with pytest.raises(ValueError, match="group launch wrote no stamps"):
+        overlap.pair_report(b, torch.zeros(4, stamps.SLOTS, dtype=torch.int64))
+
+
+def test_overlap_cli_refuses_unknown_modes_and_cases():
+    with pytest.raises(SystemExit, match="unknown mode or case: sideways"):
+        overlap.main(["--modes", "overlap,sideways"])
+    with pytest.raises(SystemExit, match="unknown mode or case: dense_gate_upp"):
+        overlap.main(["--case", "dense_gate_upp"])
