@@ -12,8 +12,9 @@ from glm5next.kernels.linear import skinny_linear_multi
 
 
 def test_slots_fit_the_rows_the_kernels_write():
-    """The device side writes slot SM at column 6 of rows 8 wide (literals in `stamp`)."""
-    assert stamps.SLOTS == 8 and stamps.SM == 6 and stamps.END < stamps.SM
+    """The device side writes rows 16 wide: the timer at the slot, the SM at column 6, the cycle
+    counter at 8 + slot (literals in `stamp`)."""
+    assert stamps.SLOTS == 16 and stamps.SM == 6 and stamps.CLOCK == 8 and stamps.END < stamps.SM
     assert stamps.NAMES[stamps.START] == "start" and stamps.NAMES[stamps.END] == "end"
 
 
@@ -22,8 +23,8 @@ def test_buffers_are_checked():
     with pytest.raises(ValueError, match="need a GPU"):
         stamps.check(stamps.buffer(10, "cpu"), 10, torch.device("cpu"))
     cuda = torch.device("cuda", 0)  # only compared with, never touched
-    with pytest.raises(ValueError, match="at least 10 x 8"):
-        stamps.check(torch.zeros(10, 8, dtype=torch.int64), 10, cuda)  # on the wrong device
+    with pytest.raises(ValueError, match="at least 10 x 16"):
+        stamps.check(torch.zeros(10, 16, dtype=torch.int64), 10, cuda)  # on the wrong device
     assert stamps.buffer(3, "cpu").shape == (3, stamps.SLOTS)
 
 
@@ -44,9 +45,17 @@ def test_launches_on_the_cpu_refuse_stamps(monkeypatch):
 
 
 def _rows(programs: int, **cols) -> torch.Tensor:
-    buf = torch.zeros(programs + 2, stamps.SLOTS, dtype=torch.int64)  # two rows no program wrote
+    """Stamps of `programs` programs (two more rows that no program wrote), each cycle counter at
+    2 cycles per ns from 5000 + 1000 x the program's index."""
+    buf = torch.zeros(programs + 2, stamps.SLOTS, dtype=torch.int64)
     for name, values in cols.items():
-        buf[:programs, getattr(stamps, name.upper())] = torch.tensor(values)
+        col = getattr(stamps, name.upper())
+        buf[:programs, col] = torch.tensor(values)
+        if col <= stamps.END:
+            start = torch.tensor(cols["start"])
+            wrote = buf[:programs, col] != 0
+            buf[:programs, stamps.CLOCK + col] = torch.where(
+                wrote, 5000 + 1000 * torch.arange(programs) + 2 * (buf[:programs, col] - start), 0)
     return buf
 
 
@@ -62,8 +71,10 @@ def test_pair_report_counts_from_the_boundarys_first_start():
               sm=[3, 3, 4, 5])
     r = overlap.pair_report(b, g)
     assert r["boundary"]["programs"] == 3 and r["boundary"]["sms"] == 3
-    assert r["boundary"]["finish"] == dict(first=3.3, median=3.3, last=3.3, count=1)
-    assert r["boundary"]["start"]["median"] == pytest.approx(0.2)
+    assert r["boundary"]["finish"] == dict(first=3.3, median=3.3, last=3.3, count=1, cycles=5800.0)
+    assert r["boundary"]["start"]["median"] == pytest.approx(0.2) and r["boundary"]["start"]["cycles"] == 0
+    assert r["boundary"]["end"]["cycles"] == 6100.0  # 2 x the median of 3050, 2950, 5600 ns
+    assert r["boundary"]["timer_step_ns"] == 50  # end 3050 against products 3000
     assert r["group"]["programs"] == 4 and r["group"]["sms"] == 3
     m = r["met"]
     assert m["boundary_us"] == pytest.approx(6.0)

@@ -12,9 +12,11 @@ is a programmatic dependent), "early" ("grouped-early": released as the boundary
 of replays, per pair), then replayed once more with every launch writing its stamps.
 
 Per pair, times in µs from the first start of any of the boundary's programs: for each kernel and
-stamp, the first / median / last program; and how the two met — how many of the group's programs
-had issued their prefetch before the boundary's last program ended, and when the group's waits
-returned and its last program ended, counted from that end.
+stamp, the first / median / last program (and the median cycles from each program's start); and how
+the two met — how many of the group's programs had started, and issued their prefetch, before the
+boundary's last program ended, and when the group's waits returned and its last program ended,
+counted from that end. The smallest step the global timer took (`timer_step_ns`) says how fine those
+times are.
 """
 
 from __future__ import annotations
@@ -116,8 +118,9 @@ def run(device, T: int, mode: str, case: str, layers: int, replays: int) -> dict
     finally:
         _boundary.STAMPS = _linear_kernel.STAMPS = None
     pairs = [pair_report(b, g) for b, g in bufs]
+    steps = [k["timer_step_ns"] for p in pairs for k in (p["boundary"], p["group"]) if k["timer_step_ns"]]
     return dict(t=T, mode=mode, case=case, layers=layers, pair_us=us, pair_us_stamped=us_stamped,
-                median=median_report(pairs[1:] or pairs), pairs=pairs)
+                timer_step_ns=min(steps, default=None), median=median_report(pairs[1:] or pairs), pairs=pairs)
 
 
 def _print(r: dict) -> None:
@@ -128,7 +131,8 @@ def _print(r: dict) -> None:
           f"boundary {m['boundary_us']:5.2f} us | group: {m['group_started_before_boundary_end']:.0f} of "
           f"{m['group_programs']:.0f} started, {m['group_prefetched_before_boundary_end']:.0f} prefetched "
           f"before its end; waits return {w0:+.2f}..{w1:+.2f}, "
-          f"ends {m['group_end_after_boundary_end']:+.2f} us after it", flush=True)
+          f"ends {m['group_end_after_boundary_end']:+.2f} us after it (timer step {r.get('timer_step_ns')} ns)",
+          flush=True)
 
 
 def main(argv=None) -> None:

@@ -5,6 +5,9 @@ those of the kernel before it (a programmatic dependent launch), and Nsight Syst
 our H200 machines. A kernel compiled with its STAMP flag instead writes, for each program, the GPU's
 global nanosecond timer (`%globaltimer`, one clock for every SM) at fixed points of its work, and the
 SM it ran on, into a [programs, SLOTS] int64 buffer; a program that skips a point leaves its slot 0.
+Beside each timer value, in column CLOCK + slot, it writes its SM's cycle counter (`%clock64`): the
+global timer may advance in steps coarser than the work between two stamps (`summarize` reports the
+smallest step it saw), the cycle counter does not, but it is not shared between SMs.
 
 The slots (the kernels write those they have):
   START       the program's first instruction
@@ -14,6 +17,7 @@ The slots (the kernels write those they have):
   FINISH      the program that arrived last at a tile / token block begins the finishing work
   END         its last instruction
   SM          the SM it ran on (`%smid`)
+  CLOCK + s   the SM's cycle counter at slot s
 
 The host side sets `STAMPS` of the kernel's module (`glm5next.kernels.boundary`,
 `glm5next.kernels.linear.kernel`) to a buffer from `buffer()` before a launch, so each launch of a captured
@@ -27,7 +31,8 @@ import triton
 import triton.language as tl
 
 START, PREFETCHED, WAITED, PRODUCTS, FINISH, END, SM = range(7)
-SLOTS = 8
+CLOCK = 8
+SLOTS = 16
 NAMES = ("start", "prefetched", "waited", "products", "finish", "end")
 
 
@@ -38,18 +43,25 @@ def _read_timer(x):
 
 
 @triton.jit
+def _read_clock(x):
+    return tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [x], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
 def _read_sm(x):
     return tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [x], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
 def stamp(ptr, slot: tl.constexpr, STAMP: tl.constexpr):
-    """Write the timer into this program's `slot` (with the SM into slot SM at START); nothing unless STAMP."""
+    """Write the timer and the cycle counter into this program's `slot` (with the SM into column SM at
+    START); nothing unless STAMP. (Literal columns: SLOTS 16, SM 6, CLOCK 8.)"""
     if STAMP:
         prog = tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)
-        tl.store(ptr + prog * 8 + slot, _read_timer(prog))
+        tl.store(ptr + prog * 16 + 8 + slot, _read_clock(prog))
+        tl.store(ptr + prog * 16 + slot, _read_timer(prog))
         if slot == 0:
-            tl.store(ptr + prog * 8 + 6, _read_sm(prog).to(tl.int64))
+            tl.store(ptr + prog * 16 + 6, _read_sm(prog).to(tl.int64))
 
 
 def buffer(programs: int, device) -> torch.Tensor:
@@ -72,16 +84,22 @@ def check(buf: torch.Tensor | None, programs: int, device: torch.device) -> bool
 
 def summarize(buf: torch.Tensor, origin: int) -> dict:
     """Per slot, over the programs that wrote it: the earliest, median and latest time in µs after
-    `origin` (a timer value in ns), and how many programs wrote it; plus how many programs ran (rows
-    with a START) and on how many SMs."""
+    `origin` (a timer value in ns), how many programs wrote it, and the median of its cycle count from
+    the program's START; plus how many programs ran (rows with a START), on how many SMs, and the
+    smallest step between two different timer values of the launch (`timer_step_ns`)."""
     rows = buf.cpu().to(torch.int64)
     rows = rows[rows[:, START] != 0]  # rows past the launch's programs stay zero
     out = {"programs": rows.shape[0], "sms": int(rows[:, SM].unique().numel())}
+    times = rows[:, :END + 1]
+    values = times[times != 0].unique()  # sorted
+    steps = values[1:] - values[:-1]
+    out["timer_step_ns"] = int(steps.min()) if steps.numel() else None
     for slot, name in enumerate(NAMES):
-        v = rows[:, slot]
-        v = v[v != 0]
-        if v.numel() == 0:
+        wrote = rows[:, slot] != 0
+        if not wrote.any():
             continue
-        us = (v - origin).to(torch.float64) / 1000
-        out[name] = dict(first=float(us.min()), median=float(us.median()), last=float(us.max()), count=int(v.numel()))
+        us = (rows[wrote, slot] - origin).to(torch.float64) / 1000
+        cycles = (rows[wrote, CLOCK + slot] - rows[wrote, CLOCK + START]).to(torch.float64)
+        out[name] = dict(first=float(us.min()), median=float(us.median()), last=float(us.max()),
+                         count=int(wrote.sum()), cycles=float(cycles.median()))
     return out

@@ -37,6 +37,9 @@ def _ordered(rows: torch.Tensor, programmatic: bool) -> None:
     fin = s[:, stamps.FINISH] != 0
     assert (s[fin, stamps.PRODUCTS] <= s[fin, stamps.FINISH]).all()
     assert (s[fin, stamps.FINISH] <= s[fin, stamps.END]).all()
+    for slot in (stamps.PREFETCHED, stamps.WAITED, stamps.PRODUCTS, stamps.FINISH, stamps.END):
+        wrote = s[:, slot] != 0  # its SM's cycle counter moved forward from START
+        assert (s[wrote, stamps.CLOCK + slot] >= s[wrote, stamps.CLOCK + stamps.START]).all()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert (s[:, stamps.SM] >= 0).all() and (s[:, stamps.SM] < sms).all()
 
@@ -94,3 +97,4 @@ def test_overlap_benchmark_on_two_pairs():
         assert 0 <= m["group_prefetched_before_boundary_end"] <= m["group_programs"] == pair["group"]["programs"]
         assert pair["boundary"]["start"]["first"] == 0 and pair["boundary"]["end"]["last"] == m["boundary_us"]
         assert pair["group"]["end"]["count"] == m["group_programs"]
+    assert r["timer_step_ns"] is None or r["timer_step_ns"] > 0
