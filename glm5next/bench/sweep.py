@@ -50,6 +50,7 @@ VARIANTS = {
     "tma-split-2x": dict(mode="tma", split_factor=2),
     "tma-split-half": dict(mode="tma", split_factor=0.5),
     "tma-bf16": dict(mode="tma", half=False),
+    "tma-x": dict(mode="tma-x"),
     "pdl": dict(pdl=True),
     "pdl-split-half": dict(pdl=True, split_factor=0.5),
     "pdl-split-2x": dict(pdl=True, split_factor=2),

@@ -12,7 +12,7 @@ FP8 e4m3 `[N, K]` with fp32 128x128 block scales) and are never copied or concat
 
 Launch parameters come from `plan_launch`, a deterministic function of the shapes, dtypes
 and device (no autotuning: the kernels are captured in CUDA graphs). Callers may override
-`split_k`, `block_n`, `mode` ("dot", "swap", "tma" or "gemv") and `split_factor`; `CANDIDATES` names the
+`split_k`, `block_n`, `mode` ("dot", "swap", "tma", "tma-x" or "gemv") and `split_factor`; `CANDIDATES` names the
 variants worth timing per call site.
 Every entry point is CUDA-graph safe after one eager call (which compiles the kernel and
 creates the split-K tile counters): no host syncs and only static-shape allocations.
@@ -49,6 +49,7 @@ CANDIDATES: dict[str, dict] = {
     "swap": dict(mode="swap"),
     "swap-block-n-128": dict(mode="swap", block_n=128),
     "tma": dict(mode="tma"),
+    "tma-x": dict(mode="tma-x"),
     "pdl": dict(pdl=True),
     "pdl-late": dict(pdl="late"),
     "warps-8": dict(num_warps=8),
@@ -57,7 +58,8 @@ CANDIDATES: dict[str, dict] = {
 scales the heuristic's split (rounded, at least 1); "gemv" (no tensor cores) applies to calls of at most 8 rows only;
 `block_k` 256 streams two FP8 scale blocks per step; "fp16-products" / "bf16-products" multiply FP8 weights in
 fp16 / bf16 whatever the row count (see `LaunchPlan.half`); "swap" multiplies W @ x.T (see `LaunchPlan.swap`);
-"tma" loads FP8 weight tiles through tensor descriptors (see `LaunchPlan.tma`; other weights as "dot"); "pdl"
+"tma" loads FP8 weight tiles through tensor descriptors (see `LaunchPlan.tma`; other weights as "dot"), "tma-x"
+the activation tiles as well, with the heuristic's split otherwise (see `LaunchPlan.x_tma`); "pdl"
 launches as a programmatic dependent that prefetches its weights into L2 (see `LaunchPlan.pdl`), "pdl-late" the
 same letting the next kernel start only once its products are done (`LaunchPlan.pdl_late`); "warps-8" runs
 8 warps per program."""
@@ -107,8 +109,8 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
         raise ValueError(f"num_warps must be 4 or 8, got {num_warps}")
     if num_stages not in (None, 2, 3, 4, 5):
         raise ValueError(f"num_stages must be 2 to 5, got {num_stages}")
-    if mode not in (None, "dot", "gemv", "swap", "tma"):
-        raise ValueError(f"mode must be 'dot', 'swap', 'tma' or 'gemv', got {mode!r}")
+    if mode not in (None, "dot", "gemv", "swap", "tma", "tma-x"):
+        raise ValueError(f"mode must be 'dot', 'swap', 'tma', 'tma-x' or 'gemv', got {mode!r}")
     use_dot = mode != "gemv"
     if not use_dot and M > 8:
         raise ValueError(f"the gemv variant takes at most 8 rows, got {M}")
@@ -133,8 +135,8 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
         # 63.2 -> 43.9 us, the other large weights 4-10 % faster, the smaller ones even or slower).
         half = weight_bytes == 1 and (bm == 16 or (bm == 32 and K * sum(ns) * (2 if gated else 1) >= 32 << 20))
     half = bool(half) and use_dot and x_bytes == 2
-    tma = (mode == "tma" or (mode is None and half)) and all_fp8 and x_bytes == 2 and bk <= 128
-    if mode is None and tma and gated:
+    tma = (mode in ("tma", "tma-x") or (mode is None and half)) and all_fp8 and x_bytes == 2 and bk <= 128
+    if mode in (None, "tma-x") and tma and gated:
         split_factor = split_factor * 0.5
     k_iters = triton.cdiv(K, bk)
     fp8_skinny = gpu and weight_bytes == 1 and bm == 16  # FP8 weights at up to 16 rows: their own split and stages
@@ -169,7 +171,8 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
     warps = num_warps or (8 if (bm >= 64 and gated) else 4)
     return LaunchPlan(bm, bn, bk, split, use_dot, num_warps=warps, num_stages=stages,
                       f32_sub_k=(32 if bm <= 16 else 16) if gpu else bk, swap=mode == "swap",
-                      tma=tma, half=half, pdl=PDL if pdl is None else bool(pdl), pdl_late=pdl == "late")
+                      tma=tma, half=half, pdl=PDL if pdl is None else bool(pdl), pdl_late=pdl == "late",
+                      x_tma=tma and mode == "tma-x")
 
 
 def _check_x(x: torch.Tensor) -> None:
