@@ -394,6 +394,26 @@ def test_boundary_sweep_times_deferral_when_asked(monkeypatch):
     assert set(seen) == {(32, False, False)}
 
 
+def test_linear_sweep_hands_the_x16_variants_an_fp16_copy(monkeypatch):
+    """"x16" / "tma-x16": the entry point gets x in fp16 (made once per row count, outside the timed
+    calls); the other variants get their keywords unchanged; BF16 cases skip the x16 variants."""
+    import glm5next.bench.sweep as sweep
+
+    seen = []
+    monkeypatch.setattr(sweep, "_time", lambda fn, calls, replays: fn() or 1.0)
+    monkeypatch.setattr(sweep, "ROTATE_BYTES", 1)  # one copy of each case's weights
+    monkeypatch.setattr(sweep, "shape_weights", lambda name, device: ([(None, None)], None))
+    monkeypatch.setattr(sweep, "project", lambda x, ws, ups, **kw: seen.append((x, kw)))
+    rows = sweep.sweep_linear("cpu", [3], 1e12, 1, variants=["heuristic", "x16", "tma-x16"],
+                              cases=["dsa_o_proj", "kda_o_proj"])
+    assert [(r["case"], r["variant"]) for r in rows] == [
+        ("kda_o_proj", "heuristic"), ("dsa_o_proj", "heuristic"), ("dsa_o_proj", "x16"), ("dsa_o_proj", "tma-x16")]
+    (x0, kw0), _, (x1, kw1), (x2, kw2) = seen
+    assert kw0 == {} and set(kw1) == {"x16"} and kw2["mode"] == "tma-x"
+    assert kw1["x16"].dtype == torch.float16 and torch.equal(kw1["x16"], x1.to(torch.float16))
+    assert kw1["x16"] is kw2["x16"]
+
+
 def test_boundary_sweep_times_contraction_when_asked(monkeypatch):
     """`fp_fusion` (False, True): each tiling once as shipped and once compiled with contraction, the
     module's setting restored afterwards."""

@@ -226,6 +226,46 @@ def test_activation_descriptor_loads(split_k, monkeypatch):
                 assert rel_err(y, ref) <= 1e-2
 
 
+@pytest.mark.parametrize("mode", [None, "tma-x", "dot"])
+def test_an_fp16_copy_of_x_gives_the_same_results(mode):
+    """`x16` (x converted to fp16 beforehand) in place of each program's conversion: the same bits,
+    plain, gated and grouped, including a program whose fp16 products overflow (it redoes its share
+    from the bf16 x) and a mixed-storage launch (which ignores x16); a copy that is not x in fp16 with
+    x's strides is refused, naming it."""
+    g = torch.Generator().manual_seed(15)
+    K = 304
+    w, s = make_weight("fp8", 130, K, g)
+    w2, s2 = make_weight("fp8", 130, K, g)
+    fp8s = [make_weight("fp8", n, K, g) for n in (70, 37)]
+    mixed = [make_weight("fp8", 70, K, g), make_weight("bf16", 37, K, g)]
+    for m in (1, 6, 17):
+        x = torch.randn(m, K, generator=g)
+        if m == 6:
+            x[4, 11] = 2.0**17
+        x = x.to(torch.bfloat16)
+        x16 = x.to(torch.float16)
+        for split_k in (1, 2):
+            kw = dict(split_k=split_k, mode=mode, half=True)
+            want = skinny_linear(x, w, s, out=nan_out(m, 130, torch.bfloat16), **kw)
+            assert torch.equal(skinny_linear(x, w, s, out=nan_out(m, 130, torch.bfloat16), x16=x16, **kw), want)
+            want = gate_up_swiglu(x, w, s, w2, s2, 7.0, **kw)
+            assert torch.equal(gate_up_swiglu(x, w, s, w2, s2, 7.0, x16=x16, **kw), want)
+            for group in (fp8s, mixed):
+                want = skinny_linear_multi(x, group, **kw)
+                for a, b in zip(skinny_linear_multi(x, group, x16=x16, **kw), want):
+                    assert torch.equal(a, b)
+    # The products read x16 where it applies: a copy holding 2x doubles the FP8 launch, not the mixed one.
+    x = torch.randn(3, K, generator=g).to(torch.bfloat16)
+    twice = (2 * x).to(torch.float16)
+    kw = dict(mode=mode, half=True)
+    assert rel_err(skinny_linear(x, w, s, x16=twice, **kw), 2 * linear_reference(x, w, s)) <= 1e-2
+    for a, b in zip(skinny_linear_multi(x, mixed, x16=twice, **kw), skinny_linear_multi(x, mixed, **kw)):
+        assert torch.equal(a, b)
+    for bad in (x.to(torch.float32), x[:2].to(torch.float16), x.t().contiguous().t().to(torch.float16)):
+        with pytest.raises(ValueError, match="x16 must be x in fp16"):
+            skinny_linear(x, w, s, x16=bad)
+
+
 def test_fp16_products_are_the_default_for_fp8_up_to_16_rows():
     """And at 17-32 rows for FP8 weights of at least 32 Mi elements (a gated call counts both)."""
     fp8 = dict(ns=[4096], K=4096, weight_bytes=1)

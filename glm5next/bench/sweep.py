@@ -51,6 +51,8 @@ VARIANTS = {
     "tma-split-half": dict(mode="tma", split_factor=0.5),
     "tma-bf16": dict(mode="tma", half=False),
     "tma-x": dict(mode="tma-x"),
+    "x16": dict(x16=True),
+    "tma-x16": dict(mode="tma-x", x16=True),
     "pdl": dict(pdl=True),
     "pdl-split-half": dict(pdl=True, split_factor=0.5),
     "pdl-split-2x": dict(pdl=True, split_factor=2),
@@ -70,7 +72,9 @@ VARIANTS = {
 weights at up to 16 rows, their tiles through tensor descriptors), "dot" the same with pointer loads
 (and the full split for gated calls), "fp16"/"bf16" force the product type at every row count (FP8
 weights only: skipped for BF16 cases), "swap*" multiply W @ x.T (the weight tile as the left, register
-operand), "tma*" load FP8 weight tiles through tensor descriptors, "pdl*" launch as programmatic
+operand), "tma*" load FP8 weight tiles through tensor descriptors ("tma-x*" the activation tiles too),
+"x16" / "tma-x16" give the products an fp16 copy of x made beforehand (FP8 cases only; what a producer
+writing it beside x would save each program), "pdl*" launch as programmatic
 dependents (the weight prefetch capped by `SETTINGS`; "pdl-late" releases the next launch only after
 the products), "bn*" narrower output tiles (more programs on small matrices), "split-N" exactly N K
 splits (fewer where N exceeds the K steps), "warps-8*" 8 warps per program (more independent warps
@@ -154,11 +158,14 @@ def sweep_linear(device, m_values, bandwidth: float, replays: int, variants=None
         insts = [shape_weights(name, device) for _ in range(copies)]
         for m in m_values:
             x = torch.randn(m, shapes[0][1], device=device).to(torch.bfloat16) * 0.1
+            x16 = x.to(torch.float16)  # for the "x16" variants, made once outside the timed graph
             for variant, kw in VARIANTS.items():
                 if variants is not None and variant not in variants:
                     continue
-                if (kw.get("mode") == "gemv" and m > 8) or (storage == "bf16" and "half" in kw):
+                if (kw.get("mode") == "gemv" and m > 8) or (storage == "bf16" and ("half" in kw or "x16" in kw)):
                     continue
+                if kw.get("x16"):
+                    kw = dict(kw, x16=x16)
 
                 def run(kw=kw, insts=insts, x=x):
                     for ws, ups in insts:

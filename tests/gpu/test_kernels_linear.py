@@ -117,6 +117,24 @@ def test_every_candidate_matches_reference(weights, name, candidate):
             assert rel_err(y, ref) <= 2e-2, (name, candidate, m)
 
 
+@pytest.mark.parametrize("mode", [None, "tma-x"])
+@pytest.mark.parametrize("name", ["dense_gate_up", "dense_down", "shared_gate_up"])
+def test_an_fp16_copy_of_x_matches(weights, name, mode):
+    """`x16` (x in fp16 beforehand) where the products are fp16: the reference's result, and the launch
+    without it to one bf16 step (the two compiled forms may contract differently), including a row
+    beyond fp16's range, whose programs redo their share from the bf16 x."""
+    fn, ref_fn, k = calls(weights)[name]
+    for m in (1, 16, 24, 32):
+        x = make_x(m, k, seed=250 + m)
+        if m == 16:
+            x[3, 7] = 2.0**17
+        x16 = x.to(torch.float16)
+        for y, plain, ref in zip(as_list(fn(x, mode=mode, half=True, x16=x16)), as_list(fn(x, mode=mode, half=True)),
+                                 as_list(ref_fn(x))):
+            assert rel_err(y, ref) <= 2e-2, (name, mode, m)
+            torch.testing.assert_close(y.float(), plain.float(), rtol=8e-3, atol=1e-3 * ref.float().abs().max().item())
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_graph_replay_equals_eager(weights, name):
     """Captured once per size with split-K on, replayed on fresh inputs: bitwise equal to eager."""

@@ -215,9 +215,17 @@ def _outputs(x: torch.Tensor, ns: list[int], outs) -> list[torch.Tensor]:
     return outs
 
 
+def _check_x16(x: torch.Tensor, x16: torch.Tensor | None) -> None:
+    if x16 is not None and (x16.dtype != torch.float16 or x16.shape != x.shape or x16.stride() != x.stride()
+                            or x16.device != x.device):
+        raise ValueError(f"x16 must be x in fp16 with x's shape and strides on {x.device}, got "
+                         f"{tuple(x16.shape)} {x16.dtype} strides {x16.stride()} on {x16.device}")
+
+
 def _run(x, projections, outs, split_k, block_n, mode, split_factor=1, up=None, limit=0.0, block_k=None,
-         half=None, pdl=None, num_warps=None, num_stages=None):
+         half=None, pdl=None, num_warps=None, num_stages=None, x16=None):
     _check_x(x)
+    _check_x16(x, x16)
     projections = list(projections)
     if not 1 <= len(projections) <= MAX_PROJECTIONS:
         raise ValueError(f"1 to {MAX_PROJECTIONS} projections per launch, got {len(projections)}")
@@ -231,7 +239,7 @@ def _run(x, projections, outs, split_k, block_n, mode, split_factor=1, up=None, 
     plan = plan_launch(x.shape[0], ns, x.shape[1], min(sizes), x.device.type, _sm_count(x.device), up is not None,
                        split_k, block_n, mode, split_factor, x.element_size(), max(sizes), block_k, half, pdl,
                        num_warps, num_stages)
-    launch(x, [w for w, _ in projections], [s for _, s in projections], outs, plan, up, limit)
+    launch(x, [w for w, _ in projections], [s for _, s in projections], outs, plan, up, limit, x16)
     return outs
 
 
@@ -239,20 +247,25 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor
                   out: torch.Tensor | None = None, split_k: int | None = None, block_n: int | None = None, *,
                   mode: str | None = None, split_factor: float = 1,
                   block_k: int | None = None, half: bool | None = None, pdl: bool | str | None = None,
-                  num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
-    """`x @ dequant(weight).T` in fp32 accumulation, in x's dtype (or written into `out`)."""
+                  num_warps: int | None = None, num_stages: int | None = None,
+                  x16: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ dequant(weight).T` in fp32 accumulation, in x's dtype (or written into `out`). `x16`: x already
+    converted to fp16 (x's strides), which fp16 products against FP8 weights then read instead of
+    converting x in every program; the result is the same."""
     return _run(x, [(weight, scale_inv)], None if out is None else [out], split_k, block_n, mode, split_factor,
-                block_k=block_k, half=half, pdl=pdl, num_warps=num_warps, num_stages=num_stages)[0]
+                block_k=block_k, half=half, pdl=pdl, num_warps=num_warps, num_stages=num_stages, x16=x16)[0]
 
 
 def skinny_linear_multi(x: torch.Tensor, projections, outs=None, *, split_k: int | None = None,
                         block_n: int | None = None, mode: str | None = None,
                         split_factor: float = 1, block_k: int | None = None,
                         half: bool | None = None, pdl: bool | str | None = None,
-                        num_warps: int | None = None, num_stages: int | None = None) -> list[torch.Tensor]:
-    """`[x @ dequant(w).T for w, scale_inv in projections]` (at most 6, equal K) in one launch."""
+                        num_warps: int | None = None, num_stages: int | None = None,
+                        x16: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """`[x @ dequant(w).T for w, scale_inv in projections]` (at most 6, equal K) in one launch (`x16` as
+    for `skinny_linear`)."""
     return _run(x, projections, outs, split_k, block_n, mode, split_factor, block_k=block_k, half=half, pdl=pdl,
-                num_warps=num_warps, num_stages=num_stages)
+                num_warps=num_warps, num_stages=num_stages, x16=x16)
 
 
 def gate_up_swiglu(x: torch.Tensor, gate_w: torch.Tensor, gate_s: torch.Tensor | None, up_w: torch.Tensor,
@@ -260,10 +273,11 @@ def gate_up_swiglu(x: torch.Tensor, gate_w: torch.Tensor, gate_s: torch.Tensor |
                    split_k: int | None = None, block_n: int | None = None, mode: str | None = None,
                    split_factor: float = 1, block_k: int | None = None, half: bool | None = None,
                    pdl: bool | str | None = None, num_warps: int | None = None,
-                   num_stages: int | None = None) -> torch.Tensor:
-    """`silu(min(g, limit)) * clamp(u, -limit, limit)`, g = x @ gate.T, u = x @ up.T, in x's dtype."""
+                   num_stages: int | None = None, x16: torch.Tensor | None = None) -> torch.Tensor:
+    """`silu(min(g, limit)) * clamp(u, -limit, limit)`, g = x @ gate.T, u = x @ up.T, in x's dtype (`x16`
+    as for `skinny_linear`)."""
     if up_w.shape != gate_w.shape or up_w.dtype != gate_w.dtype:
         raise ValueError("gate and up weights must share shape and dtype")
     return _run(x, [(gate_w, gate_s)], None if out is None else [out], split_k, block_n, mode, split_factor,
                 up=(up_w, up_s), limit=limit, block_k=block_k, half=half, pdl=pdl, num_warps=num_warps,
-                num_stages=num_stages)[0]
+                num_stages=num_stages, x16=x16)[0]

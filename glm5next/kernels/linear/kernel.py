@@ -235,7 +235,7 @@ def _finish(acc, acc2, o_ptr, stride_om, n0, M, N, limit, TWO: tl.constexpr,
 @triton.jit
 def _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, local, pid_k, ws_ptr, cnt_ptr,
              num_tiles, limit, s_stride, w_ptr, s_ptr, w2_ptr, s2_ptr, o_ptr, stride_om, N, r_ptr, r2_ptr, pf_iters,
-             stamp_ptr, IS_FP8: tl.constexpr, F32: tl.constexpr, TWO: tl.constexpr, SPLIT: tl.constexpr,
+             stamp_ptr, xb_ptr, IS_FP8: tl.constexpr, F32: tl.constexpr, TWO: tl.constexpr, SPLIT: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
              F32_SUB: tl.constexpr, HALF: tl.constexpr, SWAP: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr,
              PDL_LATE: tl.constexpr, STAMP: tl.constexpr, X_TMA: tl.constexpr):
@@ -265,9 +265,9 @@ def _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, local, pid_k, 
         if TWO:
             ok = ok & (tl.abs(acc2) < 3.0e38)
         if tl.min(ok.to(tl.int32)) == 0:
-            acc, acc2 = _accumulate(x_ptr, stride_xm, M, K, w_ptr, s_ptr, w2_ptr, s2_ptr, s_stride, n0, N, it0,
+            acc, acc2 = _accumulate(xb_ptr, stride_xm, M, K, w_ptr, s_ptr, w2_ptr, s2_ptr, s_stride, n0, N, it0,
                                     n_it, IS_FP8, F32, TWO, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, False,
-                                    SWAP, TMA, X_TMA)
+                                    SWAP, TMA, False)
     if PDL and PDL_LATE:
         launch_dependents()
     if not SPLIT:
@@ -309,7 +309,7 @@ def skinny_kernel(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, ws_ptr, cnt_ptr
                   w3, s3, o3, so3, N3, T4,
                   w4, s4, o4, so4, N4, T5,
                   w5, s5, o5, so5, N5,
-                  pf_iters, up_r, r0, r1, r2, r3, r4, r5, stamp_ptr,
+                  pf_iters, up_r, r0, r1, r2, r3, r4, r5, stamp_ptr, xb_ptr,
                   NUM: tl.constexpr, FP8_MASK: tl.constexpr, F32_MASK: tl.constexpr, TWO: tl.constexpr,
                   SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   USE_DOT: tl.constexpr, F32_SUB: tl.constexpr, HALF: tl.constexpr, SWAP: tl.constexpr,
@@ -318,45 +318,47 @@ def skinny_kernel(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, ws_ptr, cnt_ptr
     """Grid (num_tiles, split). Projection p owns tiles [T_p, T_{p+1}) (T_0 = 0, T_NUM = num_tiles);
     bit p of FP8_MASK / F32_MASK says whether its weight is FP8 / whether it multiplies in fp32.
     With TWO (one projection only) projection 0 is the gate and up_w/up_s the up weight. With TMA every
-    weight (w_p, up_w) is a tensor descriptor, with X_TMA x_ptr too. r_p / up_r are the weights' plain
-    pointers, for the L2 prefetch of a programmatic-dependent launch (PDL). With STAMP each program
-    writes its timestamps to stamp_ptr (`glm5next.kernels.stamps`)."""
+    weight (w_p, up_w) is a tensor descriptor, with X_TMA x_ptr too. x_ptr holds the activations the
+    products take (with HALF possibly an fp16 copy of them), xb_ptr (a plain pointer, same strides)
+    the activations as given, for the bf16 redo of a program whose fp16 products overflow. r_p / up_r
+    are the weights' plain pointers, for the L2 prefetch of a programmatic-dependent launch (PDL).
+    With STAMP each program writes its timestamps to stamp_ptr (`glm5next.kernels.stamps`)."""
     stamp(stamp_ptr, 0, STAMP)
     tile = tl.program_id(0)
     pid_k = tl.program_id(1)
     if tile < T1:
         _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile, pid_k, ws_ptr, cnt_ptr, num_tiles,
-                 limit, s_stride, w0, s0, up_w, up_s, o0, so0, N0, r0, up_r, pf_iters, stamp_ptr, FP8_MASK & 1,
+                 limit, s_stride, w0, s0, up_w, up_s, o0, so0, N0, r0, up_r, pf_iters, stamp_ptr, xb_ptr, FP8_MASK & 1,
                  F32_MASK & 1, TWO, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE,
                  STAMP, X_TMA)
     if NUM > 1:
         if (tile >= T1) & (tile < T2):
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T1, pid_k, ws_ptr, cnt_ptr,
-                     num_tiles, limit, s_stride, w1, s1, w1, s1, o1, so1, N1, r1, r1, pf_iters, stamp_ptr,
+                     num_tiles, limit, s_stride, w1, s1, w1, s1, o1, so1, N1, r1, r1, pf_iters, stamp_ptr, xb_ptr,
                      (FP8_MASK >> 1) & 1, (F32_MASK >> 1) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
                      F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, X_TMA)
     if NUM > 2:
         if (tile >= T2) & (tile < T3):
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T2, pid_k, ws_ptr, cnt_ptr,
-                     num_tiles, limit, s_stride, w2, s2, w2, s2, o2, so2, N2, r2, r2, pf_iters, stamp_ptr,
+                     num_tiles, limit, s_stride, w2, s2, w2, s2, o2, so2, N2, r2, r2, pf_iters, stamp_ptr, xb_ptr,
                      (FP8_MASK >> 2) & 1, (F32_MASK >> 2) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
                      F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, X_TMA)
     if NUM > 3:
         if (tile >= T3) & (tile < T4):
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T3, pid_k, ws_ptr, cnt_ptr,
-                     num_tiles, limit, s_stride, w3, s3, w3, s3, o3, so3, N3, r3, r3, pf_iters, stamp_ptr,
+                     num_tiles, limit, s_stride, w3, s3, w3, s3, o3, so3, N3, r3, r3, pf_iters, stamp_ptr, xb_ptr,
                      (FP8_MASK >> 3) & 1, (F32_MASK >> 3) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
                      F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, X_TMA)
     if NUM > 4:
         if (tile >= T4) & (tile < T5):
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T4, pid_k, ws_ptr, cnt_ptr,
-                     num_tiles, limit, s_stride, w4, s4, w4, s4, o4, so4, N4, r4, r4, pf_iters, stamp_ptr,
+                     num_tiles, limit, s_stride, w4, s4, w4, s4, o4, so4, N4, r4, r4, pf_iters, stamp_ptr, xb_ptr,
                      (FP8_MASK >> 4) & 1, (F32_MASK >> 4) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
                      F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, X_TMA)
     if NUM > 5:
         if tile >= T5:
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T5, pid_k, ws_ptr, cnt_ptr,
-                     num_tiles, limit, s_stride, w5, s5, w5, s5, o5, so5, N5, r5, r5, pf_iters, stamp_ptr,
+                     num_tiles, limit, s_stride, w5, s5, w5, s5, o5, so5, N5, r5, r5, pf_iters, stamp_ptr, xb_ptr,
                      (FP8_MASK >> 5) & 1, (F32_MASK >> 5) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
                      F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, X_TMA)
     stamp(stamp_ptr, 5, STAMP)
@@ -398,9 +400,10 @@ def _prefetch_iters(weights: list[torch.Tensor], iters: int) -> int:
 
 def launch(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor | None],
            outs: list[torch.Tensor], plan: LaunchPlan, up: tuple[torch.Tensor, torch.Tensor | None] | None = None,
-           limit: float = 0.0) -> None:
+           limit: float = 0.0, x16: torch.Tensor | None = None) -> None:
     """Run `skinny_kernel` for validated arguments: outs[p] = x @ dequant(weights[p]).T, or with `up`
-    (one projection) outs[0] = swiglu(x @ gate.T, x @ up.T) clamped at `limit`."""
+    (one projection) outs[0] = swiglu(x @ gate.T, x @ up.T) clamped at `limit`. `x16` (x in fp16, x's
+    strides) feeds the products where they are fp16 and every weight FP8, so no program converts x."""
     M, K = x.shape
     bm, bn, bk = plan.block_m, plan.block_n, plan.block_k
     bounds, total = [], 0
@@ -427,7 +430,9 @@ def launch(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tens
     def operand(w: torch.Tensor):  # with TMA a descriptor (built per call: a CUDA graph keeps its bytes)
         return TensorDescriptor.from_tensor(w, [bn, bk]) if tma else w
 
-    x_tma = tma and plan.x_tma and _rows_aligned16(x)
+    every_fp8 = all(s is not None for s in scales) and (up is None or up[1] is not None)
+    xa = x16 if x16 is not None and plan.half and every_fp8 else x  # the activations the products take
+    x_tma = tma and plan.x_tma and _rows_aligned16(xa)
 
     fp8_mask = f32_mask = 0
     s_stride = 1
@@ -452,9 +457,9 @@ def launch(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tens
     stamps = STAMPS
     stamped = _stamps.check(stamps, total * split, x.device)
     skinny_kernel[(total, split)](
-        TensorDescriptor.from_tensor(x, [bm, bk]) if x_tma else x, x.stride(0), M, K, k_iters, iters, split, ws, cnt,
-        total, float(limit), s_stride, up_w, up_s, *per_proj,
-        pf_iters, *raw, stamps if stamped else ws,
+        TensorDescriptor.from_tensor(xa, [bm, bk]) if x_tma else xa, x.stride(0), M, K, k_iters, iters, split, ws,
+        cnt, total, float(limit), s_stride, up_w, up_s, *per_proj,
+        pf_iters, *raw, stamps if stamped else ws, x,
         NUM=len(weights), FP8_MASK=fp8_mask, F32_MASK=f32_mask, TWO=up is not None, SPLIT=split > 1,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_DOT=plan.use_dot, F32_SUB=min(plan.f32_sub_k, bk), HALF=plan.half,
         SWAP=plan.swap, TMA=tma, PDL=pdl, PDL_LATE=pdl and plan.pdl_late, STAMP=stamped, X_TMA=x_tma,
