@@ -44,18 +44,14 @@ ROWS = 8192
 
 def pair_report(boundary: torch.Tensor, group: torch.Tensor) -> dict:
     """The stamps of one boundary launch and the group launched after it, summarised (see the module)."""
-    rows = boundary.cpu()
-    rows = rows[rows[:, _stamps.START] != 0]
-    if rows.shape[0] == 0:
-        raise ValueError("the boundary launch wrote no stamps")
+    rows, grows = _stamps.ran(boundary), _stamps.ran(group)
+    for name, r in (("boundary", rows), ("group", grows)):
+        if r.shape[0] == 0:
+            raise ValueError(f"the {name} launch wrote no stamps")
     origin = int(rows[:, _stamps.START].min())
     b = _stamps.summarize(boundary, origin)
     g = _stamps.summarize(group, origin)
-    if "start" not in g:
-        raise ValueError("the group launch wrote no stamps")
     b_end = b["end"]["last"]
-    grows = group.cpu()
-    grows = grows[grows[:, _stamps.START] != 0]
     pre = grows[:, _stamps.PREFETCHED]
     pre = pre[pre != 0]
     met = dict(
@@ -84,10 +80,9 @@ def median_report(pairs: list[dict]) -> dict:
 
 def run(device, T: int, mode: str, case: str, layers: int, replays: int) -> dict:
     b_pdl, g_pdl = MODES[mode]
-    shapes = SHAPES[case][0]
     if SHAPES[case][1]:
         raise ValueError(f"{case}: a gated case is not a projection group")
-    state = boundary_state(T, torch.device(device))
+    state = boundary_state(T, device)
     D, n = state[1].shape[2], state[1].shape[1]
     outs = [torch.empty(T, n, D, device=device, dtype=torch.bfloat16), torch.empty(T, n, device=device),
             torch.empty(T, n, n, device=device), torch.empty(T, D, device=device, dtype=torch.bfloat16)]

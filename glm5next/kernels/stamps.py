@@ -82,13 +82,19 @@ def check(buf: torch.Tensor | None, programs: int, device: torch.device) -> bool
     return True
 
 
+def ran(buf: torch.Tensor) -> torch.Tensor:
+    """The rows (on the CPU) of the programs that ran: those with a START (rows past a launch's
+    programs stay zero)."""
+    rows = buf.cpu().to(torch.int64)
+    return rows[rows[:, START] != 0]
+
+
 def summarize(buf: torch.Tensor, origin: int) -> dict:
     """Per slot, over the programs that wrote it: the earliest, median and latest time in µs after
     `origin` (a timer value in ns), how many programs wrote it, and the median of its cycle count from
     the program's START; plus how many programs ran (rows with a START), on how many SMs, and the
     smallest step between two different timer values of the launch (`timer_step_ns`)."""
-    rows = buf.cpu().to(torch.int64)
-    rows = rows[rows[:, START] != 0]  # rows past the launch's programs stay zero
+    rows = ran(buf)
     out = {"programs": rows.shape[0], "sms": int(rows[:, SM].unique().numel())}
     times = rows[:, :END + 1]
     values = times[times != 0].unique()  # sorted

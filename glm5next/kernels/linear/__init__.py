@@ -94,12 +94,13 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
     weights at up to 16 rows) as fit about 100 KB of shared memory, so two or more programs share an
     SM. FP8 weights meet 16-bit activations in fp16 products at BLOCK_M 16 (up to 16 rows; `half`
     None), where the H200 sweep measured them 1.3x faster than bf16 products, and at BLOCK_M 32 for
-    weights of at least 32 Mi elements (gate and up counted both); at 64 rows they were slower. Where all weights are FP8 and the products fp16 (mode None), the weight tiles come through
-    tensor descriptors ("tma") and a gated call takes half the split: the H200 sweep of 2026-12-04
-    measured the dense gate|up at 1-16 rows 37 -> 33 us, the other shapes equal or up to 4 % faster.
-    CPU: the same rules with BLOCK_K 64, 4 "SMs" and 1 K step per split. `pdl` (None: the module's `PDL`) asks for a programmatic
-    dependent launch where the device has one (`LaunchPlan.pdl`); "late" does so with the next kernel
-    released only after the products (`LaunchPlan.pdl_late`). `num_warps` (4 or 8) overrides the
+    weights of at least 32 Mi elements (gate and up counted both); at 64 rows they were slower. Where
+    all weights are FP8 and the products fp16 (mode None), the weight tiles come through tensor
+    descriptors ("tma") and a gated call takes half the split: the H200 sweep of 2026-12-04 measured
+    the dense gate|up at 1-16 rows 37 -> 33 us, the other shapes equal or up to 4 % faster.
+    CPU: the same rules with BLOCK_K 64, 4 "SMs" and 1 K step per split. `pdl` (None: the module's
+    `PDL`) asks for a programmatic dependent launch where the device has one (`LaunchPlan.pdl`);
+    "late" does so with the next kernel released only after the products (`LaunchPlan.pdl_late`). `num_warps` (4 or 8) overrides the
     warps per program (default 4, 8 for gated calls at 64 rows); `num_stages` (2-5) the pipeline stages.
     """
     gpu = device_type != "cpu"
