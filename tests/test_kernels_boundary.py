@@ -279,7 +279,7 @@ def test_gpu_chunk_by_token_count():
     sizes = (1, 2, 4, 5, 6, 7, 8, 9, 16, 17, 24, 25, 32, 33, 48, 49, 64)
     plans = {T: fused.plan(T, 4096, N, on_gpu=True) for T in sizes}
     chunk = {T: p["SUB"] * p["NSUB"] for T, p in plans.items()}
-    assert chunk == {1: 64, 2: 32, 4: 32, 5: 64, 6: 64, 7: 128, 8: 128, 9: 128, 16: 128, 17: 128, 24: 128,
+    assert chunk == {1: 64, 2: 32, 4: 32, 5: 64, 6: 64, 7: 64, 8: 64, 9: 128, 16: 128, 17: 128, 24: 128,
                      25: 256, 32: 256, 33: 128, 48: 128, 49: 256, 64: 256}
     assert {T: p["BT"] for T, p in plans.items()} == {T: 1 if T <= 16 else 2 for T in sizes}
     p = fused.plan(4, 4096, N, on_gpu=True, chunk=128)

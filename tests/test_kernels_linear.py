@@ -267,15 +267,15 @@ def test_an_fp16_copy_of_x_gives_the_same_results(mode):
 
 
 def test_fp16_products_are_the_default_for_fp8_up_to_16_rows():
-    """And at 17-32 rows for FP8 weights of at least 32 Mi elements (a gated call counts both)."""
+    """And at 17-32 rows for FP8 weights of at least 24 Mi elements (a gated call counts both)."""
     fp8 = dict(ns=[4096], K=4096, weight_bytes=1)
     assert plan_launch(1, **fp8).half and plan_launch(16, **fp8).half
     assert not plan_launch(17, **fp8).half and not plan_launch(64, **fp8).half
     large = dict(ns=[4096, 4096], K=4096, weight_bytes=1)  # 32 Mi elements
     assert plan_launch(17, **large).half and plan_launch(32, **large).half
     assert not plan_launch(33, **large).half and not plan_launch(64, **large).half
-    assert plan_launch(24, **fp8, gated=True).half and not plan_launch(24, [4095], 4096, 1, gated=True).half
-    assert not plan_launch(24, [4096, 4095], 4096, 1).half
+    assert plan_launch(24, [3072], 4096, 1, gated=True).half and not plan_launch(24, [3071], 4096, 1, gated=True).half
+    assert plan_launch(24, [6144], 4096, 1).half and not plan_launch(24, [4096, 2047], 4096, 1).half
     assert not plan_launch(8, [4096], 4096, 2).half  # bf16 weights
     assert not plan_launch(8, **fp8, x_bytes=4).half  # fp32 activations
     assert not plan_launch(8, **fp8, mode="gemv").half

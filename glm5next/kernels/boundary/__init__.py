@@ -70,10 +70,11 @@ def plan(T: int, D: int, n: int, on_gpu: bool, block_t: int | None = None, chunk
     if chunk is None:
         # H200 sweep of 2026-12-04 (64 boundaries in a row, programmatic launch, one token per
         # program): chunk 32 at 2-4 tokens (8.22 us against 8.91 with 64 at T = 4), 64 at 1 and at
-        # 5-6 (10.53 us with 32 at T = 5: 640 programs no longer fit one wave), 128 at 8 (9.49 us).
+        # 5-6 (10.53 us with 32 at T = 5: 640 programs no longer fit one wave), 128 at 7-8 (9.49 us at T = 8); the seventh session's
+        # contraction-off kernel took 0.5 us less at 8 tokens with 64 than with 128, in two runs.
         # Two-token blocks: chunk 128 up to 24 tokens, 256 at 25-32 (T = 32: 15.94 us against 20.02 with
         # 128), 128 at 33-48 (T = 48: 20.78 us against 23.94 with 256), 256 at 64 (24.80 against 26.38).
-        chunk = (64 if T == 1 else 32 if T <= 4 else 64 if T <= 6 else 128 if T <= 24 else 256 if T <= 32
+        chunk = (64 if T == 1 else 32 if T <= 4 else 64 if T <= 8 else 128 if T <= 24 else 256 if T <= 32
                  else 128 if T <= 48 else 256) if on_gpu \
             else min(_p2(D), 1024)
     chunk = _p2(chunk)

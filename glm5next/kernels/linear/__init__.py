@@ -131,10 +131,11 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
     bn = min(block_n, max(16, triton.next_power_of_2(max(ns))))
     all_fp8 = (widest_bytes or weight_bytes) == 1
     if half is None:
-        # FP8 weights: fp16 products at up to 16 rows, and at 17-32 rows for weights of at least 32 Mi
-        # elements (the H200 sweep of 2026-12-04 at 24 / 32 rows: dense gate|up 57.3 -> 44.2 and
-        # 63.2 -> 43.9 us, the other large weights 4-10 % faster, the smaller ones even or slower).
-        half = weight_bytes == 1 and (bm == 16 or (bm == 32 and K * sum(ns) * (2 if gated else 1) >= 32 << 20))
+        # FP8 weights: fp16 products at up to 16 rows, and at 17-32 rows for weights of at least 24 Mi
+        # elements (the H200 sweeps of 2026-12-04 at 24 / 32 rows: dense gate|up 57.3 -> 44.2 and
+        # 63.2 -> 43.9 us, the DSA q_b (30 Mi) 21.4 -> 19.8 and 20.1 -> 19.7, the other large weights
+        # 4-10 % faster, the smaller ones even or slower).
+        half = weight_bytes == 1 and (bm == 16 or (bm == 32 and K * sum(ns) * (2 if gated else 1) >= 24 << 20))
     half = bool(half) and use_dot and x_bytes == 2
     tma = (mode in ("tma", "tma-x") or (mode is None and half)) and all_fp8 and x_bytes == 2 and bk <= 128
     if mode in (None, "tma-x") and tma and gated:
