@@ -310,3 +310,35 @@ def test_finisher_token_by_token(monkeypatch, dtype):
     hidden = fused.mhc_last(out, streams, post, comb, norm_w, norm_eps=NORM_EPS, block_t=4,
                             hidden=torch.full((T, D), float("nan"), dtype=dtype))
     _close(hidden, ref.mhc_last(out, streams, post, comb, norm_w, norm_eps=NORM_EPS), tol)
+
+
+@pytest.mark.parametrize("form", ["one-tile", "by-token", "wide-rows"])
+def test_x16_is_x_in_fp16(monkeypatch, form):
+    """With an `x16` buffer the boundary and the first layer also write x in fp16: the same values as x
+    converted, NaN-filled buffers, in each finisher form (whole rows, token by token, rows wider than
+    one tile), and x itself unchanged by it."""
+    T, D, block_t = {"one-tile": (3, 100, None), "by-token": (5, 136, 4), "wide-rows": (3, 4100, 2)}[form]
+    monkeypatch.setattr(fused, "FINISH_BY_TOKEN", form == "by-token")
+    p = fused.plan(T, D, N, False, block_t=block_t)
+    assert (p["FIN"] < D) == (form == "wide-rows") and p["BY_TOKEN"] == (form == "by-token")
+    dtype = torch.bfloat16
+    out, streams, post, comb, hc, norm_w = _case(T, D, dtype, seed=31)
+    plain = fused.mhc_boundary(out, streams, post, comb, *_mixer(hc), norm_w, **KW, block_t=block_t)
+    x16 = torch.full((T, D), float("nan"), dtype=torch.float16)
+    got = fused.mhc_boundary(out, streams, post, comb, *_mixer(hc), norm_w, **KW, block_t=block_t, x16=x16,
+                             **_nan_buffers(T, D, dtype))
+    for g, w in zip(got, plain):
+        assert torch.equal(g, w)
+    assert torch.equal(x16, got[3].to(torch.float16))
+    x16 = torch.full((T, D), float("nan"), dtype=torch.float16)
+    first = fused.mhc_first(out, *_mixer(hc), norm_w, **KW, block_t=block_t, x16=x16)
+    assert torch.equal(first[3], fused.mhc_first(out, *_mixer(hc), norm_w, **KW, block_t=block_t)[3])
+    assert torch.equal(x16, first[3].to(torch.float16))
+
+
+def test_x16_buffer_is_checked():
+    out, streams, post, comb, hc, norm_w = _case(2, 64, torch.bfloat16, seed=3)
+    for bad in (torch.empty(2, 64), torch.empty(2, 63, dtype=torch.float16),
+                torch.empty(64, 2, dtype=torch.float16).t()):
+        with pytest.raises(ValueError, match="x16 must be a contiguous fp16"):
+            fused.mhc_boundary(out, streams, post, comb, *_mixer(hc), norm_w, **KW, x16=bad)

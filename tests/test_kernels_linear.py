@@ -6,7 +6,7 @@ import torch
 from glm5next.checkpoint.fp8 import quantize_fp8_blocks
 from glm5next.kernels.linear import (
     CANDIDATES, gate_up_swiglu, gate_up_swiglu_reference, linear_multi_reference, linear_reference, plan_launch,
-    skinny_linear, skinny_linear_multi, tile_counters,
+    reads_x16, skinny_linear, skinny_linear_multi, tile_counters,
 )
 
 # The interpreter converts 1-element arrays to scalars in a way numpy deprecates; thousands of warnings.
@@ -508,3 +508,46 @@ def test_programmatic_launch_prefetches_what_fits_in_l2():
     assert _prefetch_iters([w(64, 4104)], 8) == 0  # rows of 4104 bytes
     assert _prefetch_iters([w(64, 2052, torch.bfloat16)], 8) == 0
     assert plan_launch(1, [64], 4096, 1, pdl=True).pdl and not plan_launch(1, [64], 4096, 1, pdl=False).pdl
+
+
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_out16_is_the_output_in_fp16(split_k):
+    """`out16` receives the output converted to fp16 (NaN-filled, ragged sizes, split or not), plain and
+    gated, with the output itself unchanged; the down projection reading it as `x16` gives the same bits
+    as from the bf16 output; a buffer of another shape, dtype or stride is refused."""
+    g = torch.Generator().manual_seed(16)
+    K = 272
+    w, s = make_weight("fp8", 150, K, g)
+    w2, s2 = make_weight("fp8", 150, K, g)
+    down, down_s = make_weight("fp8", 70, 150, g)
+    for m in (1, 5):
+        x = torch.randn(m, K, generator=g).to(torch.bfloat16)
+        kw = dict(split_k=split_k, half=True)
+        out16 = torch.full((m, 150), float("nan"), dtype=torch.float16)
+        want = skinny_linear(x, w, s, **kw)
+        assert torch.equal(skinny_linear(x, w, s, out16=out16, **kw), want)
+        assert torch.equal(out16, want.to(torch.float16))
+        out16 = torch.full((m, 150), float("nan"), dtype=torch.float16)
+        h = gate_up_swiglu(x, w, s, w2, s2, 7.0, out=nan_out(m, 150, torch.bfloat16), out16=out16, **kw)
+        assert torch.equal(h, gate_up_swiglu(x, w, s, w2, s2, 7.0, **kw))
+        assert torch.equal(out16, h.to(torch.float16))
+        want = skinny_linear(h, down, down_s, half=True)
+        assert torch.equal(skinny_linear(h, down, down_s, x16=out16, half=True), want)
+    x = torch.randn(2, K, generator=g).to(torch.bfloat16)
+    for bad in (torch.empty(2, 150), torch.empty(2, 149, dtype=torch.float16),
+                torch.empty(150, 2, dtype=torch.float16).t()):
+        with pytest.raises(ValueError, match="out16 must be an fp16"):
+            skinny_linear(x, w, s, out16=bad)
+
+
+def test_reads_x16_where_the_products_are_fp16():
+    """An x16 copy is worth writing for bf16 activations against FP8 weights where the default plan takes
+    fp16 products: up to 16 rows, and at 17-32 rows for weights of 24 Mi elements or more."""
+    fp8 = torch.empty(4096, 4096, dtype=torch.float8_e4m3fn)
+    bf16 = torch.empty(4096, 4096, dtype=torch.bfloat16)
+    assert reads_x16(1, [fp8], torch.bfloat16) and reads_x16(16, [fp8, fp8], torch.bfloat16)
+    assert not reads_x16(17, [fp8], torch.bfloat16) and reads_x16(17, [fp8, fp8], torch.bfloat16)
+    assert reads_x16(24, [fp8], torch.bfloat16, gated=True) and not reads_x16(33, [fp8, fp8], torch.bfloat16)
+    assert not reads_x16(1, [fp8, bf16], torch.bfloat16) and not reads_x16(1, [bf16], torch.bfloat16)
+    assert not reads_x16(1, [fp8], torch.float32) and not reads_x16(1, [fp8], torch.float16)
+    assert not reads_x16(0, [fp8], torch.bfloat16) and not reads_x16(65, [fp8], torch.bfloat16)

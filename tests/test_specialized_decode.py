@@ -140,3 +140,26 @@ def test_the_shipped_h200_policy_covers_every_captured_size():
         assert set(DEFAULT_CAPTURE_SIZES) <= set(policy.tables[stage]), stage
         # ...and the tuned stages win somewhere.
         assert any(policy(stage, m) is not None for m in DEFAULT_CAPTURE_SIZES), stage
+
+
+def test_fp16_copies_are_found_by_the_tensor_they_copy():
+    """A filed copy is found for its tensor and for views of the same storage, shape and strides, not for
+    another tensor, a slice, or (outside inference mode) the tensor after an in-place change; inference
+    tensors are found without a version counter; `clear` forgets it."""
+    from glm5next.specialized_decode.copies import Fp16Copies
+
+    copies = Fp16Copies()
+    x = torch.randn(3, 8).to(torch.bfloat16)
+    x16 = x.to(torch.float16)
+    assert copies.get(x) is None
+    copies.put(x, x16)
+    assert copies.get(x) is x16 and copies.get(x.view(3, 8)) is x16
+    assert copies.get(x.clone()) is None and copies.get(x[:2]) is None and copies.get(x.view(8, 3)) is None
+    x.add_(1)
+    assert copies.get(x) is None
+    with torch.inference_mode():
+        y = torch.randn(2, 4).to(torch.bfloat16)
+        copies.put(y, y.to(torch.float16))
+        assert copies.get(y) is not None
+    copies.clear()
+    assert copies.get(y) is None

@@ -125,13 +125,13 @@ def test_only_boundaries_before_overlapped_groups_release_late(tiny_fp32, monkey
     asked = {}
     call, first = BoundaryStage.__call__, BoundaryStage.first
 
-    def record_call(self, out, streams, post, comb, hc, norm, release_late=False, deferred=False):
+    def record_call(self, out, streams, post, comb, hc, norm, release_late=False, deferred=False, x16=False):
         asked[id(hc)] = release_late
-        return call(self, out, streams, post, comb, hc, norm, release_late, deferred)
+        return call(self, out, streams, post, comb, hc, norm, release_late, deferred, x16)
 
-    def record_first(self, embedded, hc, norm, release_late=False, deferred=False):
+    def record_first(self, embedded, hc, norm, release_late=False, deferred=False, x16=False):
         asked[id(hc)] = release_late
-        return first(self, embedded, hc, norm, release_late, deferred)
+        return first(self, embedded, hc, norm, release_late, deferred, x16)
 
     monkeypatch.setattr(BoundaryStage, "__call__", record_call)
     monkeypatch.setattr(BoundaryStage, "first", record_first)
@@ -186,8 +186,8 @@ def test_projection_case_runs_every_choice_after_its_boundary(tiny_fp32, monkeyp
         seen.append((choice, k.get("pdl"), any(x is b for b in boundary_outputs)))
         return multi(x, projections, *a, **k)
 
-    def record_boundary(self, *a):
-        out = stage_call(self, *a)
+    def record_boundary(self, *a, **k):
+        out = stage_call(self, *a, **k)
         boundary_outputs.append(out[3])
         releases.append((choice, len(a) > 6 and a[6]))
         return out
@@ -204,3 +204,49 @@ def test_projection_case_runs_every_choice_after_its_boundary(tiny_fp32, monkeyp
     choice = "before"
     case.before()
     assert len(boundary_outputs) - n == kda_layers and not any(late for _, late in releases[-kda_layers:])
+
+
+def test_fp16_copies_leave_planned_bf16_steps_bit_for_bit(tiny_dir, monkeypatch):
+    """In bf16 the boundaries in front of the DSA projection groups and of the dense and shared-expert
+    MLPs write fp16 copies of their outputs, which those FP8 launches read (and the gate|up writes one
+    for the down): two planned steps give the same logits and cache bits with the copies as without."""
+    from glm5next.model.backbone import Glm5NextModel
+    from glm5next.specialized_decode.copies import Fp16Copies
+
+    model = Glm5NextModel.from_pretrained(tiny_dir, torch.bfloat16, "cpu", progress=False)
+    lens = [5, 9, 3]
+    hits = []
+    get = Fp16Copies.get
+
+    def counted(self, x):
+        found = get(self, x)
+        hits.append(found is not None)
+        return found
+
+    def decode(copies: bool):
+        monkeypatch.setattr(Fp16Copies, "get", counted if copies else lambda self, x: None)
+        ex = SpecializedDecode(model, policy(), SIZES)
+        cache = ModelCache(model.config, 80, 16, 8, torch.bfloat16, "cpu", include_mtp=False)
+        runner = Runner(model, cache, max_model_len=320, capture_sizes=SIZES, executor=ex)
+        runner.graph_mode = True
+        g = torch.Generator().manual_seed(7)
+        seqs = [Sequence(torch.randint(0, 256, (n,), generator=g).tolist(), i, list(range(10 * i, 10 * i + 10)))
+                for i, n in enumerate(lens)]
+        runner.step(seqs)
+        logits = []
+        for step in range(2):
+            for i, s in enumerate(seqs):
+                s.token_ids.append(3 * step + 11 * i)
+            logits.append(runner.step(seqs))
+        assert ex.planned_steps == 2
+        return logits, [t.clone() for t in cache.tensors()]
+
+    with_copies, cache_with = decode(True)
+    dsa = sum(layer.layer_kind == "dsa" for layer in model.layers)
+    # Each step: a hit per DSA group and per dense or shared-expert gate|up (and the down's own copy).
+    assert sum(hits) == 2 * (dsa + len(model.layers)), (sum(hits), dsa)
+    without, cache_without = decode(False)
+    for a, b in zip(with_copies, without):
+        assert torch.equal(a, b)
+    for a, b in zip(cache_with, cache_without):
+        assert torch.equal(a, b)

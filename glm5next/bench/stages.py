@@ -5,7 +5,9 @@ stage objects) over every instance the slice has of it — every layer's weights
 one layer's bytes would fit in the 60 MB L2 — so each replay streams its weights from HBM. The
 time of one call is the replay time over the calls captured in it; where a step runs something
 ahead of every call that a choice may overlap (the boundary before a sublayer's projections), the
-case runs that too and subtracts its time alone. `glm5next tune-policy` picks
+case runs that too and subtracts its time alone. Where a stage reads an fp16 copy of its input
+(`glm5next.specialized_decode.copies`), the case gives it one as the step would: the projection
+case's boundary writes it, the MLP case makes it before capturing. `glm5next tune-policy` picks
 the fastest choice per stage and token count from these cases; `glm5next bench --mode specialized`
 reports them beside the bytes each call reads.
 """
@@ -23,6 +25,7 @@ from ..config import DSA, KDA
 from ..model.mhc import hc_post
 from ..model.routing import routed
 from ..specialized_decode.boundary import BoundaryStage
+from ..specialized_decode.copies import Fp16Copies
 from ..specialized_decode.dense_mlp import DenseMlpStage
 from ..specialized_decode.linear import (DSA_GROUP, DSA_SINGLES, KDA_GROUP, KDA_SINGLES, RELEASE_LATE, ProjectionRoutes,
                                           _get)
@@ -102,7 +105,9 @@ def _projection_case(model, m: int, kind: str, stage: str) -> Case:
     gen = torch.Generator(device=dev).manual_seed(m + 1)
     group_names, single_names = (KDA_GROUP, KDA_SINGLES) if kind == KDA else (DSA_GROUP, DSA_SINGLES)
     layers = [layer for layer in model.layers if layer.layer_kind == kind]
-    boundary = BoundaryStage(cfg)
+    copies = Fp16Copies()
+    boundary = BoundaryStage(cfg, copies)
+    grouped = ProjectionRoutes(layers, Policy({stage: {str(m): "grouped"}}), dt)
     calls, total = [], 0
     for layer in layers:
         attn = layer.self_attn
@@ -114,26 +119,32 @@ def _projection_case(model, m: int, kind: str, stage: str) -> Case:
         for n in single_names:
             mod = _get(attn, n)
             mods.append((mod, torch.randn(m, mod.in_features, generator=gen, device=dev).to(dt)))
-        calls.append((layer.attn_hc, layer.input_layernorm, state, mods))
+        # Whether the group reads an fp16 copy of the boundary's output ("before" writes one where it does;
+        # each choice's run where its own launches read one).
+        calls.append((layer.attn_hc, layer.input_layernorm, state, mods, grouped.reads_x16(layer, m)))
         total += sum(_linear_bytes(mod) for mod, _ in mods)
     calls = calls * _copies(total)
 
     def before():
-        for hc, norm, state, _ in calls:
-            boundary(*state, hc, norm)
+        for hc, norm, state, _, x16 in calls:
+            boundary(*state, hc, norm, x16=x16)
+        copies.clear()
 
     runs = {}
     for choice in STAGES[stage] + (STOCK,):
-        routes = ProjectionRoutes(layers, Policy({stage: {str(m): choice}}), dt)
+        routes = ProjectionRoutes(layers, Policy({stage: {str(m): choice}}), dt, copies)
         table = routes.table(m)
 
-        def run(table=table, routes=routes, late=choice in RELEASE_LATE):
+        reads = [routes.reads_x16(layer, m) for layer in layers] * (len(calls) // len(layers))
+
+        def run(table=table, routes=routes, late=choice in RELEASE_LATE, reads=reads):
             with routed(table):
-                for hc, norm, state, mods in calls:
-                    x = boundary(*state, hc, norm, late)[3]
+                for (hc, norm, state, mods, _), x16 in zip(calls, reads):
+                    x = boundary(*state, hc, norm, late, x16=x16)[3]
                     for mod, xin in mods:
                         mod(x if xin is None else xin)
                     routes.reset()
+            copies.clear()
 
         runs[choice] = run
     return Case(stage, m, total // len(layers), runs, len(calls), before)
@@ -147,15 +158,24 @@ def _mlp_case(model, m: int, stage: str) -> Case:
     else:
         mlps = [layer.mlp.shared_experts for layer in model.layers if layer.mlp_is_moe]
     per = _linear_bytes(mlps[0].gate_proj) * 2 + _linear_bytes(mlps[0].down_proj)
-    insts = [(mlp, DenseMlpStage(mlp), torch.randn(m, model.config.hidden_size, generator=gen, device=dev).to(dt))
-             for mlp in mlps] * _copies(per * len(mlps))
+    copies = Fp16Copies()
+    insts = []
+    for mlp in mlps:
+        st = DenseMlpStage(mlp, copies)
+        x = torch.randn(m, model.config.hidden_size, generator=gen, device=dev).to(dt)
+        # The fp16 copy the boundary before it writes in a step, where the gate|up reads one.
+        insts.append((mlp, st, x, x.to(torch.float16) if st.reads_x16(m, dt) else None))
+    insts = insts * _copies(per * len(mlps))
 
     def fused():
-        for _, st, x in insts:
+        for _, st, x, x16 in insts:
+            if x16 is not None:
+                copies.put(x, x16)
             st(x)
+        copies.clear()
 
     def stock():
-        for mlp, _, x in insts:
+        for mlp, _, x, _ in insts:
             mlp(x)
 
     return Case(stage, m, per, {"fused": fused, STOCK: stock}, len(insts))

@@ -29,6 +29,7 @@ from ..model.routing import routed
 from ..parallel.collectives import all_gather, all_reduce, partial_outputs
 from ..runtime.metadata import AttnMetadata, CUDAGraphMode, ForwardContext
 from .boundary import BoundaryStage
+from .copies import Fp16Copies
 from .dense_mlp import DenseMlpStage
 from .linear import ProjectionRoutes
 from .logits import LogitsStage
@@ -82,23 +83,25 @@ class LayerStages:
 
     def _build_stages(self, layers) -> None:
         config = self.text_config
-        self.boundary_stage = BoundaryStage(config) if self.policy.enabled("boundary") else None
+        self.copies = Fp16Copies()
+        self._x16: dict[tuple[int, str, int], bool] = {}
+        self.boundary_stage = BoundaryStage(config, self.copies) if self.policy.enabled("boundary") else None
         if self.boundary_stage is not None:
             eps = {n.eps for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)}
             if len(eps) != 1:
                 logger.warning("specialized decode: mixed norm eps %s, no fused boundary", sorted(eps))
                 self.boundary_stage = None
-        self.projections = ProjectionRoutes(layers, self.policy, self.backbone.embed_tokens.dtype)
+        self.projections = ProjectionRoutes(layers, self.policy, self.backbone.embed_tokens.dtype, self.copies)
         self.dense = {}
         if self.policy.enabled("dense_mlp"):
-            self.dense = {layer.layer_idx: DenseMlpStage(layer.mlp) for layer in layers
+            self.dense = {layer.layer_idx: DenseMlpStage(layer.mlp, self.copies) for layer in layers
                           if not layer.mlp_is_moe and DenseMlpStage.supports(layer.mlp)}
         self.shared = {}
         if self.policy.enabled("shared_expert"):
             if not config.norm_topk_prob:
                 logger.warning("specialized decode: unsupported routing (unnormalized top-k), no MoE stages")
             else:
-                self.shared = {layer.layer_idx: DenseMlpStage(layer.mlp.shared_experts) for layer in layers
+                self.shared = {layer.layer_idx: DenseMlpStage(layer.mlp.shared_experts, self.copies) for layer in layers
                                if layer.mlp_is_moe and DenseMlpStage.supports(layer.mlp.shared_experts)}
 
     @property
@@ -120,6 +123,23 @@ class LayerStages:
                 table[id(self.layers_by_idx[idx].mlp.shared_experts)] = stage
         return table
 
+    def reads_x16(self, layer, sublayer: str, tokens: int) -> bool:
+        """Whether `layer`'s "attention" or "mlp" sublayer runs a stage at this token count whose first
+        launch reads an fp16 copy of its input (then the boundary before it writes one)."""
+        key = (layer.layer_idx, sublayer, tokens)
+        if key not in self._x16:
+            dtype = self.backbone.embed_tokens.dtype
+            if sublayer == "attention":
+                want = self.projections.reads_x16(layer, tokens)
+            else:
+                dense, shared = self.dense.get(layer.layer_idx), self.shared.get(layer.layer_idx)
+                want = ((dense is not None and bool(self.policy("dense_mlp", tokens))
+                         and dense.reads_x16(tokens, dtype))
+                        or (shared is not None and bool(self.policy("shared_expert", tokens))
+                            and shared.reads_x16(tokens, dtype)))
+            self._x16[key] = want
+        return self._x16[key]
+
     def attention(self, layer, x: torch.Tensor, step: Step) -> tuple[torch.Tensor, bool]:
         """The attention output and whether it is still TP-partial (stock module; projections routed)."""
         if self.partial(x.shape[0]):
@@ -139,20 +159,22 @@ class LayerStages:
                 return layer.ffn(x, step.ctx), True
         return layer.ffn(x, step.ctx), False
 
-    def boundary(self, hc, norm, out, streams, post, comb, release_late: bool = False):
+    def boundary(self, hc, norm, out, streams, post, comb, release_late: bool = False, x16: bool = False):
         """The previous sublayer's mHC post, then the next sublayer's pre and its norm (`release_late`:
-        the fused kernel lets the launch after it start only once its partial products are stored)."""
+        the fused kernel lets the launch after it start only once its partial products are stored;
+        `x16`: it also writes the normalized input in fp16 for the stage that reads it)."""
         choice = self.policy("boundary", out.shape[0]) if self.boundary_stage is not None else None
         if choice:
-            return self.boundary_stage(out, streams, post, comb, hc, norm, release_late, choice == "fused-deferred")
+            return self.boundary_stage(out, streams, post, comb, hc, norm, release_late, choice == "fused-deferred",
+                                       x16)
         streams = hc_post(out, streams, post, comb)
         x, post, comb = hc.pre(streams)
         return streams, post, comb, norm(x)
 
-    def reduced_boundary(self, hc, norm, out, streams, post, comb, release_late: bool = False):
+    def reduced_boundary(self, hc, norm, out, streams, post, comb, release_late: bool = False, x16: bool = False):
         """`boundary` of a TP-partial sublayer output: the sum over the ranks, then the boundary. (On
         GPUs the fused kernel is to read the ranks' shares over symmetric memory in the same launch.)"""
-        return self.boundary(hc, norm, all_reduce(out, self.backbone.tp), streams, post, comb, release_late)
+        return self.boundary(hc, norm, all_reduce(out, self.backbone.tp), streams, post, comb, release_late, x16)
 
 
 class DraftStages(LayerStages):
@@ -264,23 +286,26 @@ class SpecializedDecode(LayerStages):
     def layer(self, layer, x, partial, streams, post, comb, step: Step):
         """`DecoderLayer.forward` for a planned step; `x` is the previous sublayer's output (or the
         embeddings before layer 0). Returns the next state, or the final hidden states after the last layer."""
-        late = self.projections.release_late(layer, x.shape[0])
-        fused = self.policy("boundary", x.shape[0]) if self.boundary_stage is not None else None
+        tokens = x.shape[0]
+        late = self.projections.release_late(layer, tokens)
+        fused = self.policy("boundary", tokens) if self.boundary_stage is not None else None
         deferred = fused == "fused-deferred"  # then every comb between two boundaries is pending
+        x16 = self.reads_x16(layer, "attention", tokens)
         if post is None:
             if fused:
                 streams, post, comb, x = self.boundary_stage.first(x, layer.attn_hc, layer.input_layernorm, late,
-                                                                   deferred)
+                                                                   deferred, x16)
             else:
                 streams = hc_expand(x, self.text_config.hc_mult)
                 x, post, comb = layer.attn_hc.pre(streams)
                 x = layer.input_layernorm(x)
         else:
             bound = self.reduced_boundary if partial else self.boundary
-            streams, post, comb, x = bound(layer.attn_hc, layer.input_layernorm, x, streams, post, comb, late)
+            streams, post, comb, x = bound(layer.attn_hc, layer.input_layernorm, x, streams, post, comb, late, x16)
         x, partial = self.attention(layer, x, step)
         bound = self.reduced_boundary if partial else self.boundary
-        streams, post, comb, x = bound(layer.ffn_hc, layer.post_attention_layernorm, x, streams, post, comb)
+        streams, post, comb, x = bound(layer.ffn_hc, layer.post_attention_layernorm, x, streams, post, comb,
+                                       x16=self.reads_x16(layer, "mlp", tokens))
         x, partial = self.mlp(layer, x, step)
         if layer is self.layers[-1]:
             if partial:  # the last layer reduces before contracting
@@ -301,4 +326,5 @@ class SpecializedDecode(LayerStages):
                     x, *state = self.layer(layer, x, *state, step)
             finally:
                 self.projections.reset()
+                self.copies.clear()
         return x

@@ -7,13 +7,17 @@ import torch
 
 from ..model.mlp import MLP
 from ..model.params import FP8_DTYPE
+from .copies import Fp16Copies
 
 
 class DenseMlpStage:
-    """`MLP.forward` on the skinny kernels."""
+    """`MLP.forward` on the skinny kernels. Where the gate|up or the down reads fp16 copies
+    (`glm5next.kernels.linear.reads_x16`), the gate|up takes the copy of its input that `copies` holds
+    (the boundary's) and writes one of its output for the down."""
 
-    def __init__(self, mlp: MLP) -> None:
+    def __init__(self, mlp: MLP, copies: Fp16Copies | None = None) -> None:
         self.mlp = mlp
+        self.copies = copies
 
     @staticmethod
     def supports(mlp: MLP) -> bool:
@@ -21,10 +25,20 @@ class DenseMlpStage:
         dtypes = {getattr(mlp, n).weight.dtype for n in ("gate_proj", "up_proj", "down_proj")}
         return len(dtypes) == 1 and dtypes.pop() in (torch.bfloat16, torch.float32, FP8_DTYPE)
 
+    def reads_x16(self, tokens: int, dtype: torch.dtype) -> bool:
+        """Whether the gate|up reads an fp16 copy of its input at this token count."""
+        from ..kernels.linear import reads_x16
+
+        return reads_x16(tokens, [self.mlp.gate_proj.weight], dtype, gated=True)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        from ..kernels.linear import gate_up_swiglu, skinny_linear
+        from ..kernels.linear import gate_up_swiglu, reads_x16, skinny_linear
 
         m = self.mlp
+        x16 = None if self.copies is None else self.copies.get(x)
+        h16 = None
+        if self.copies is not None and reads_x16(x.shape[0], [m.down_proj.weight], x.dtype):
+            h16 = torch.empty(x.shape[0], m.down_proj.weight.shape[1], dtype=torch.float16, device=x.device)
         h = gate_up_swiglu(x, m.gate_proj.weight, m.gate_proj.weight_scale_inv, m.up_proj.weight,
-                           m.up_proj.weight_scale_inv, m.swiglu_limit)
-        return skinny_linear(h, m.down_proj.weight, m.down_proj.weight_scale_inv)
+                           m.up_proj.weight_scale_inv, m.swiglu_limit, x16=x16, out16=h16)
+        return skinny_linear(h, m.down_proj.weight, m.down_proj.weight_scale_inv, x16=h16)

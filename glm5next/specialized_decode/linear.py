@@ -7,7 +7,8 @@ the group launched as a programmatic dependent of the kernel before it (in a ste
 which releases its dependents as it starts), so the group's weights stream into L2 while the boundary
 runs; "grouped-overlap" the same with the boundary releasing the group only once its partial products
 are stored, so that prefetch runs beside the boundary's finisher rather than its loads; "single" runs
-every projection in its own launch. The weights stay where the backbone keeps them.
+every projection in its own launch. The weights stay where the backbone keeps them. A launch whose
+input has an fp16 copy filed (`Fp16Copies`: the boundary writes one where the group reads it) reads that.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from ..config import DSA, KDA
 from ..model.linear import Linear
 from ..model.params import FP8_DTYPE
+from .copies import Fp16Copies
 
 KDA_GROUP = ("q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj", "g_a_proj")
 KDA_SINGLES = ("f_b_proj", "g_b_proj", "o_proj")
@@ -47,21 +49,24 @@ def routable(linear: Linear, dtype: torch.dtype) -> bool:
 class SingleRoute:
     """One projection, one launch."""
 
-    def __init__(self, linear: Linear) -> None:
+    def __init__(self, linear: Linear, copies: Fp16Copies | None = None) -> None:
         self.linear = linear
+        self.copies = copies
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         from ..kernels.linear import skinny_linear
 
-        return skinny_linear(x, self.linear.weight, self.linear.weight_scale_inv)
+        x16 = None if self.copies is None else self.copies.get(x)
+        return skinny_linear(x, self.linear.weight, self.linear.weight_scale_inv, x16=x16)
 
 
 class GroupRoute:
     """Projections of one input in one launch: the first member called with a new input runs them
     all; the others return their share of that launch."""
 
-    def __init__(self, members: list[Linear]) -> None:
+    def __init__(self, members: list[Linear], copies: Fp16Copies | None = None) -> None:
         self.members = members
+        self.copies = copies
         self.projections = [(m.weight, m.weight_scale_inv) for m in members]
         self._x: torch.Tensor | None = None
         self._outs: list[torch.Tensor] = []
@@ -73,7 +78,8 @@ class GroupRoute:
         if self._x is not x:
             from ..kernels.linear import skinny_linear_multi
 
-            self._outs = skinny_linear_multi(x, self.projections, pdl=True if early else None)
+            x16 = None if self.copies is None else self.copies.get(x)
+            self._outs = skinny_linear_multi(x, self.projections, pdl=True if early else None, x16=x16)
             self._x = x
         return self._outs[i]
 
@@ -84,13 +90,15 @@ class GroupRoute:
 class ProjectionRoutes:
     """Per token count, the routing table of every KDA and DSA projection the policy sends to kernels."""
 
-    def __init__(self, layers, policy, dtype: torch.dtype) -> None:
+    def __init__(self, layers, policy, dtype: torch.dtype, copies: Fp16Copies | None = None) -> None:
         self.policy = policy
+        self.dtype = dtype
+        self.copies = copies
         self.groups: dict[str, list[GroupRoute]] = {"kda_proj": [], "dsa_proj": []}
         self.singles: dict[str, list[Linear]] = {"kda_proj": [], "dsa_proj": []}
         self.members: dict[str, list[Linear]] = {"kda_proj": [], "dsa_proj": []}
-        self.grouped_layers: dict[int, str] = {}
-        """layer index -> the stage of its routed projection group."""
+        self.grouped_layers: dict[int, tuple[str, GroupRoute]] = {}
+        """layer index -> the stage of its routed projection group, and the group."""
         for layer in layers:
             stage = STAGE_OF[layer.layer_kind]
             if not policy.enabled(stage):
@@ -99,8 +107,8 @@ class ProjectionRoutes:
             group_names, single_names = (KDA_GROUP, KDA_SINGLES) if layer.layer_kind == KDA else (DSA_GROUP, DSA_SINGLES)
             group = [_get(attn, n) for n in group_names]
             if all(routable(m, dtype) for m in group) and len({m.weight.dtype for m in group}) == 1:
-                self.groups[stage].append(GroupRoute(group))
-                self.grouped_layers[layer.layer_idx] = stage
+                self.groups[stage].append(GroupRoute(group, copies))
+                self.grouped_layers[layer.layer_idx] = (stage, self.groups[stage][-1])
             else:
                 self.singles[stage] += [m for m in group if routable(m, dtype)]
             self.singles[stage] += [m for m in (_get(attn, n) for n in single_names) if routable(m, dtype)]
@@ -116,17 +124,29 @@ class ProjectionRoutes:
                     for i, m in enumerate(g.members):
                         table[id(m)] = g.member(i, early=choice in EARLY)
                 for m in self.singles[stage]:
-                    table[id(m)] = SingleRoute(m)
+                    table[id(m)] = SingleRoute(m, self.copies)
             elif choice == "single":
                 for m in self.members[stage]:
-                    table[id(m)] = SingleRoute(m)
+                    table[id(m)] = SingleRoute(m, self.copies)
         return table
 
     def release_late(self, layer, tokens: int) -> bool:
         """Whether the boundary before `layer`'s attention releases the next launch only after its
         partial products: its projection group runs "grouped-overlap" at this token count."""
-        stage = self.grouped_layers.get(layer.layer_idx)
+        stage, _ = self.grouped_layers.get(layer.layer_idx, (None, None))
         return stage is not None and self.policy(stage, tokens) in RELEASE_LATE
+
+    def reads_x16(self, layer, tokens: int) -> bool:
+        """Whether a launch of `layer`'s projection group (or with "single", of one of its members) at this
+        token count reads an fp16 copy of its input."""
+        from ..kernels.linear import reads_x16
+
+        stage, group = self.grouped_layers.get(layer.layer_idx, (None, None))
+        choice = None if stage is None else self.policy(stage, tokens)
+        weights = [] if group is None else [w for w, _ in group.projections]
+        if choice in GROUPED:
+            return reads_x16(tokens, weights, self.dtype)
+        return choice == "single" and any(reads_x16(tokens, [w], self.dtype) for w in weights)
 
     def reset(self) -> None:
         """Drop the group outputs of the finished step."""

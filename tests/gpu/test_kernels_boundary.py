@@ -174,3 +174,22 @@ def test_sinkhorn_by_either_reciprocal_matches_reference(monkeypatch, T, rcp):
         _, own_post, own_comb = ref.hc_weights(got[0], fn, base, scale, **weights)
         torch.testing.assert_close(got[1], own_post, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(got[2], own_comb, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("T", TOKENS)
+def test_x16_is_x_in_fp16(T):
+    """With an `x16` buffer (NaN-filled) the boundary and the first layer write x in fp16 as well: the
+    same values as x converted, and x the same bits as without the buffer."""
+    g = torch.Generator().manual_seed(40 + T)
+    mixer, nxt = _mixer(g), _mixer(g)
+    out, streams, post, comb = _inputs(T, g, mixer)
+    x16 = torch.full((T, D), float("nan"), dtype=torch.float16, device="cuda")
+    got = mhc_boundary(out, streams, post, comb, *nxt, **KW, x16=x16)
+    plain = mhc_boundary(out, streams, post, comb, *nxt, **KW)
+    for a, b in zip(got, plain):
+        assert torch.equal(a, b)
+    assert torch.equal(x16, got[3].to(torch.float16))
+    x16 = torch.full((T, D), float("nan"), dtype=torch.float16, device="cuda")
+    first = mhc_first(out, *nxt, **KW, x16=x16)
+    assert torch.equal(first[3], mhc_first(out, *nxt, **KW)[3])
+    assert torch.equal(x16, first[3].to(torch.float16))

@@ -135,6 +135,25 @@ def test_an_fp16_copy_of_x_matches(weights, name, mode):
             torch.testing.assert_close(y.float(), plain.float(), rtol=8e-3, atol=1e-3 * ref.float().abs().max().item())
 
 
+def test_the_dense_mlp_through_fp16_copies(weights):
+    """The gate|up writing its output in fp16 as well (`out16`, NaN-filled), which the down then reads
+    (`x16`): the copy is the output converted, the output and the down within one bf16 step of the launches
+    without copies, and the down within the reference's tolerance."""
+    (gw, gs), (uw, us), (dw, ds) = weights["dense_gate"], weights["dense_up"], weights["dense_down"]
+    for m in (1, 7, 16, 24, 32):
+        x = make_x(m, HIDDEN, seed=300 + m)
+        x16 = x.to(torch.float16)
+        h16 = torch.full((m, dw.shape[1]), float("nan"), dtype=torch.float16, device="cuda")
+        h = gate_up_swiglu(x, gw, gs, uw, us, 7.0, x16=x16, out16=h16, half=True)
+        assert torch.equal(h16, h.to(torch.float16))
+        plain = gate_up_swiglu(x, gw, gs, uw, us, 7.0, half=True)
+        torch.testing.assert_close(h.float(), plain.float(), rtol=8e-3, atol=1e-3 * plain.float().abs().max().item())
+        y = skinny_linear(h, dw, ds, x16=h16, half=True)
+        want = skinny_linear(h, dw, ds, half=True)
+        torch.testing.assert_close(y.float(), want.float(), rtol=8e-3, atol=1e-3 * want.float().abs().max().item())
+        assert rel_err(y, linear_reference(h, dw, ds)) <= 2e-2, m
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_graph_replay_equals_eager(weights, name):
     """Captured once per size with split-K on, replayed on fresh inputs: bitwise equal to eager."""

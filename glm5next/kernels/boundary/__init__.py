@@ -70,8 +70,8 @@ def plan(T: int, D: int, n: int, on_gpu: bool, block_t: int | None = None, chunk
     if chunk is None:
         # H200 sweep of 2026-12-04 (64 boundaries in a row, programmatic launch, one token per
         # program): chunk 32 at 2-4 tokens (8.22 us against 8.91 with 64 at T = 4), 64 at 1 and at
-        # 5-6 (10.53 us with 32 at T = 5: 640 programs no longer fit one wave), 128 at 7-8 (9.49 us at T = 8); the seventh session's
-        # contraction-off kernel took 0.5 us less at 8 tokens with 64 than with 128, in two runs.
+        # 5-8 (10.53 us with 32 at T = 5: 640 programs no longer fit one wave; at T = 8 the kernel
+        # compiled without contraction took 0.5 us less with 64 than with 128, in two runs).
         # Two-token blocks: chunk 128 up to 24 tokens, 256 at 25-32 (T = 32: 15.94 us against 20.02 with
         # 128), 128 at 33-48 (T = 48: 20.78 us against 23.94 with 256), 256 at 64 (24.80 against 26.38).
         chunk = (64 if T == 1 else 32 if T <= 4 else 64 if T <= 8 else 128 if T <= 24 else 256 if T <= 32
@@ -111,9 +111,10 @@ sweep of 2026-12-04 timed 64 boundaries in a row at 8.6 -> 8.2 us each at 1 toke
 
 
 def _launch(mode, out, streams, post, comb, fn, base, scale, w, new_streams, new_post, new_comb, x,
-            hc_eps, rms_eps, norm_eps, sinkhorn_iters, post_mult, block_t, chunk, pdl, defer=False, pending_iters=0):
+            hc_eps, rms_eps, norm_eps, sinkhorn_iters, post_mult, block_t, chunk, pdl, defer=False, pending_iters=0,
+            x16=None):
     """`defer`: the finisher leaves new_comb pending (one Sinkhorn iteration); `pending_iters`: the
-    iterations `comb` still needs (0: it is final)."""
+    iterations `comb` still needs (0: it is final); `x16`: a buffer for x in fp16 as well."""
     T, D = out.shape
     n = streams.shape[1] if new_streams is None else new_streams.shape[1]
     if not 1 <= T:
@@ -125,6 +126,10 @@ def _launch(mode, out, streams, post, comb, fn, base, scale, w, new_streams, new
     for t in (new_streams, new_post, new_comb, x):
         if t is not None and not t.is_contiguous():
             raise ValueError("output buffers must be contiguous")
+    if x16 is not None and (x16.dtype != torch.float16 or x16.shape != x.shape or not x16.is_contiguous()
+                            or x16.device != x.device):
+        raise ValueError(f"x16 must be a contiguous fp16 {tuple(x.shape)} buffer on {x.device}, got "
+                         f"{tuple(x16.shape)} {x16.dtype} on {x16.device}")
     part = torch.empty(T * p["NC"] * p["ROWS"] * n, dtype=torch.float32, device=out.device)
     dummy = out
     if pdl not in (None, False, True, "late"):
@@ -141,8 +146,9 @@ def _launch(mode, out, streams, post, comb, fn, base, scale, w, new_streams, new
         dummy if new_comb is None else new_comb, x,
         part, _tickets(out.device),
         T, float(hc_eps), float(rms_eps), float(norm_eps), float(post_mult), STAMPS if stamped else part,
+        x if x16 is None else x16,
         D=D, N=n, MODE=mode, ITERS=1 if defer else int(sinkhorn_iters), PDL=pdl, RELEASE_LATE=pdl and late,
-        ITERS_IN=int(pending_iters), STAMP=stamped, **p,
+        ITERS_IN=int(pending_iters), STAMP=stamped, X16=x16 is not None, **p,
         num_warps=NUM_WARPS, enable_fp_fusion=FP_FUSION,
         **({"launch_pdl": True} if pdl else {}),
     )
@@ -178,7 +184,7 @@ def mhc_boundary(
     out, streams, post, comb, fn, base, scale, norm_weight, *,
     hc_eps, rms_eps, norm_eps, sinkhorn_iters, post_mult,
     new_streams=None, new_post=None, new_comb=None, x=None, block_t=None, chunk=None,
-    pdl=None, defer_sinkhorn=False, comb_pending=False,
+    pdl=None, defer_sinkhorn=False, comb_pending=False, x16=None,
 ):
     """(new_streams [T, n, D], new_post [T, n] fp32, new_comb [T, n, n] fp32, x [T, D]).
 
@@ -190,6 +196,8 @@ def mhc_boundary(
     `defer_sinkhorn`: new_comb is left pending, after the first of the Sinkhorn iterations, for the
     next boundary (or `mhc_last`) to finish with `comb_pending` (`reference.finish_sinkhorn`): the
     chain of iterations then runs in that launch's chunk programs instead of this one's finisher.
+    `x16`: a contiguous fp16 [T, D] buffer that receives x in fp16 too (exact where x is within fp16's
+    range), for FP8 projections whose fp16 products read it (`glm5next.kernels.linear`'s `x16`).
     """
     T, n, D = streams.shape
     _check_mixer(fn, base, scale, n, D)
@@ -198,7 +206,7 @@ def mhc_boundary(
     new_streams, new_post, new_comb, x = _buffers(out, streams.dtype, n, new_streams, new_post, new_comb, x)
     _launch(0, _c(out), _c(streams), _c(post), _c(comb), _c(fn), _c(base), _c(scale), _c(norm_weight),
             new_streams, new_post, new_comb, x, hc_eps, rms_eps, norm_eps, sinkhorn_iters, post_mult, block_t, chunk,
-            pdl, defer_sinkhorn, sinkhorn_iters - 1 if comb_pending else 0)
+            pdl, defer_sinkhorn, sinkhorn_iters - 1 if comb_pending else 0, x16)
     return new_streams, new_post, new_comb, x
 
 
@@ -206,16 +214,17 @@ def mhc_first(
     embedded, fn, base, scale, norm_weight, *,
     hc_eps, rms_eps, norm_eps, sinkhorn_iters, post_mult,
     streams=None, post=None, comb=None, x=None, block_t=None, chunk=None, pdl=None, defer_sinkhorn=False,
+    x16=None,
 ):
     """(streams [T, n, D], post, comb, x) of the first layer: n copies of `embedded` [T, D], pre, norm
-    (`defer_sinkhorn` as in `mhc_boundary`)."""
+    (`defer_sinkhorn` and `x16` as in `mhc_boundary`)."""
     T, D = embedded.shape
     n = fn.shape[1] // D
     _check_mixer(fn, base, scale, n, D)
     streams, post, comb, x = _buffers(embedded, embedded.dtype, n, streams, post, comb, x)
     _launch(1, _c(embedded), None, None, None, _c(fn), _c(base), _c(scale), _c(norm_weight),
             streams, post, comb, x, hc_eps, rms_eps, norm_eps, sinkhorn_iters, post_mult, block_t, chunk, pdl,
-            defer_sinkhorn)
+            defer_sinkhorn, x16=x16)
     return streams, post, comb, x
 
 

@@ -128,11 +128,11 @@ def _pending_comb(comb_ptr, tok, tmask, hc_eps, N: tl.constexpr, ITERS_IN: tl.co
 @triton.jit
 def _mhc_finish(
     tok, tmask, kk,
-    fn_ptr, base_ptr, scale_ptr, w_ptr, new_streams_ptr, new_post_ptr, new_comb_ptr, x_ptr, part_ptr,
+    fn_ptr, base_ptr, scale_ptr, w_ptr, new_streams_ptr, new_post_ptr, new_comb_ptr, x_ptr, part_ptr, x16_ptr,
     hc_eps, rms_eps, norm_eps, post_mult,
     D: tl.constexpr, N: tl.constexpr, ROWS: tl.constexpr, MODE: tl.constexpr, ITERS: tl.constexpr,
     BT: tl.constexpr, NC: tl.constexpr, NCB: tl.constexpr, FIN: tl.constexpr, SK4: tl.constexpr,
-    BY_TOKEN: tl.constexpr,
+    BY_TOKEN: tl.constexpr, X16: tl.constexpr,
 ):
     W: tl.constexpr = ROWS * N
     SSQ: tl.constexpr = (2 + N) * N
@@ -199,7 +199,10 @@ def _mhc_finish(
                 col_u = tl.sum(pre_u[:, None] * s_u.to(tl.float32), axis=0).to(dtype).to(tl.float32)
                 r_u = tl.rsqrt(tl.sum(col_u * col_u, axis=0) / D + norm_eps)
                 y_u = (col_u * r_u).to(dtype).to(tl.float32)
-                tl.store(x_ptr + t_u * D + d_row, (w_row * y_u).to(dtype), mask=rm_u)
+                x_u = (w_row * y_u).to(dtype)
+                tl.store(x_ptr + t_u * D + d_row, x_u, mask=rm_u)
+                if X16:
+                    tl.store(x16_ptr + t_u * D + d_row, x_u.to(tl.float16), mask=rm_u)
         elif FIN >= D:
             col = tl.sum(pre[:, :, None] * streams_row.to(tl.float32), axis=1).to(dtype).to(tl.float32)
             r = tl.rsqrt(tl.sum(col * col, axis=1) / D + norm_eps)
@@ -220,26 +223,32 @@ def _mhc_finish(
     if MODE != 2 and FIN >= D:
         # The whole row is in registers: normalise it there (BY_TOKEN did so token by token above).
         if not BY_TOKEN:
-            _norm_store(x_ptr + tok[:, None] * D + d_row[None, :], col, r, w_row, tmask[:, None] & (d_row < D)[None, :])
+            offs = tok[:, None] * D + d_row[None, :]
+            _norm_store(x_ptr + offs, x16_ptr + offs, col, r, w_row, tmask[:, None] & (d_row < D)[None, :], X16)
     else:
         tl.debug_barrier()
         for f in tl.static_range(0, D, FIN):
             d = f + tl.arange(0, FIN)
             m = tmask[:, None] & (d < D)[None, :]
-            xp = x_ptr + tok[:, None] * D + d[None, :]
+            offs = tok[:, None] * D + d[None, :]
             if FIN >= D:
                 wv = w_row
             else:
                 wv = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
-            _norm_store(xp, tl.load(xp, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32), r, wv, m)
+            xv = tl.load(x_ptr + offs, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+            _norm_store(x_ptr + offs, x16_ptr + offs, xv, r, wv, m, X16)
 
 
 @triton.jit
-def _norm_store(xp, xv, r, wv, m):
-    """RMSNorm as the stock code rounds it: weight * cast(x * r) (weight `wv` in fp32), cast to the model dtype."""
+def _norm_store(xp, x16p, xv, r, wv, m, X16: tl.constexpr):
+    """RMSNorm as the stock code rounds it: weight * cast(x * r) (weight `wv` in fp32), cast to the model
+    dtype; with X16 that result in fp16 to x16p as well."""
     dtype = xp.dtype.element_ty
     y = (xv * r[:, None]).to(dtype).to(tl.float32)
-    tl.store(xp, (wv[None, :] * y).to(dtype), mask=m)
+    out = (wv[None, :] * y).to(dtype)
+    tl.store(xp, out, mask=m)
+    if X16:
+        tl.store(x16p, out.to(tl.float16), mask=m)
 
 
 @triton.jit
@@ -248,11 +257,12 @@ def mhc_kernel(
     fn_ptr, base_ptr, scale_ptr, w_ptr,
     new_streams_ptr, new_post_ptr, new_comb_ptr, x_ptr,
     part_ptr, ticket_ptr,
-    T, hc_eps, rms_eps, norm_eps, post_mult, stamp_ptr,
+    T, hc_eps, rms_eps, norm_eps, post_mult, stamp_ptr, x16_ptr,
     D: tl.constexpr, N: tl.constexpr, ROWS: tl.constexpr, MODE: tl.constexpr, ITERS: tl.constexpr,
     BT: tl.constexpr, SUB: tl.constexpr, NSUB: tl.constexpr, NC: tl.constexpr, NCB: tl.constexpr,
     FIN: tl.constexpr, SK4: tl.constexpr, BY_TOKEN: tl.constexpr, PDL: tl.constexpr,
     RELEASE_LATE: tl.constexpr = False, ITERS_IN: tl.constexpr = 0, STAMP: tl.constexpr = False,
+    X16: tl.constexpr = False,
 ):
     _stamp(stamp_ptr, 0, STAMP)
     W: tl.constexpr = ROWS * N
@@ -339,7 +349,7 @@ def mhc_kernel(
         _mhc_finish(
             tok, tmask, kk,
             fn_ptr, base_ptr, scale_ptr, w_ptr, new_streams_ptr, new_post_ptr, new_comb_ptr, x_ptr, part_ptr,
-            hc_eps, rms_eps, norm_eps, post_mult,
-            D, N, ROWS, MODE, ITERS, BT, NC, NCB, FIN, SK4, BY_TOKEN,
+            x16_ptr, hc_eps, rms_eps, norm_eps, post_mult,
+            D, N, ROWS, MODE, ITERS, BT, NC, NCB, FIN, SK4, BY_TOKEN, X16,
         )
     _stamp(stamp_ptr, 5, STAMP)

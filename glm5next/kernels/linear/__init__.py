@@ -28,7 +28,7 @@ from .reference import gate_up_swiglu_reference, linear_multi_reference, linear_
 
 __all__ = [
     "CANDIDATES", "LaunchPlan", "MAX_ROWS", "gate_up_swiglu", "gate_up_swiglu_reference", "linear_multi_reference",
-    "linear_reference", "plan_launch", "skinny_linear", "skinny_linear_multi", "tile_counters",
+    "linear_reference", "plan_launch", "reads_x16", "skinny_linear", "skinny_linear_multi", "tile_counters",
 ]
 
 MAX_ROWS = 64
@@ -177,6 +177,19 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
                       x_tma=tma and mode == "tma-x")
 
 
+def reads_x16(M: int, weights: list[torch.Tensor], x_dtype: torch.dtype, gated: bool = False) -> bool:
+    """Whether the default launch of projections with these weights (`gated`: `gate_up_swiglu`, the gate's
+    weight given) at M rows of `x_dtype` activations would read an `x16` copy: every weight FP8 and bf16
+    activations that meet them in fp16 products, which each program would otherwise convert per K step."""
+    if not weights or not 1 <= M <= MAX_ROWS or x_dtype != torch.bfloat16:
+        return False
+    if any(w.dtype != torch.float8_e4m3fn for w in weights) or len({w.shape[1] for w in weights}) != 1:
+        return False
+    dev = weights[0].device
+    return plan_launch(M, [w.shape[0] for w in weights], weights[0].shape[1], 1, dev.type, _sm_count(dev),
+                       gated).half
+
+
 def _check_x(x: torch.Tensor) -> None:
     if x.dim() != 2 or x.dtype not in _FLOAT:
         raise ValueError(f"x must be a 2-D bf16/fp16/fp32 matrix, got {tuple(x.shape)} {x.dtype}")
@@ -224,8 +237,16 @@ def _check_x16(x: torch.Tensor, x16: torch.Tensor | None) -> None:
                          f"{tuple(x16.shape)} {x16.dtype} strides {x16.stride()} on {x16.device}")
 
 
+def _check_out16(out: torch.Tensor, out16: torch.Tensor | None) -> None:
+    if out16 is not None and (out16.dtype != torch.float16 or out16.shape != out.shape
+                              or out16.stride() != out.stride() or out16.device != out.device):
+        raise ValueError(f"out16 must be an fp16 {tuple(out.shape)} tensor with the output's strides "
+                         f"{out.stride()} on {out.device}, got {tuple(out16.shape)} {out16.dtype} "
+                         f"strides {out16.stride()} on {out16.device}")
+
+
 def _run(x, projections, outs, split_k, block_n, mode, split_factor=1, up=None, limit=0.0, block_k=None,
-         half=None, pdl=None, num_warps=None, num_stages=None, x16=None):
+         half=None, pdl=None, num_warps=None, num_stages=None, x16=None, out16=None):
     _check_x(x)
     _check_x16(x, x16)
     projections = list(projections)
@@ -235,13 +256,15 @@ def _run(x, projections, outs, split_k, block_n, mode, split_factor=1, up=None, 
         _check_weight(x, w, s)
     ns = [w.shape[0] for w, _ in projections]
     outs = _outputs(x, ns, outs)
+    if out16 is not None:  # one projection (skinny_linear, gate_up_swiglu)
+        _check_out16(outs[0], out16)
     if x.shape[0] == 0:
         return outs
     sizes = [w.element_size() for w, _ in projections]
     plan = plan_launch(x.shape[0], ns, x.shape[1], min(sizes), x.device.type, _sm_count(x.device), up is not None,
                        split_k, block_n, mode, split_factor, x.element_size(), max(sizes), block_k, half, pdl,
                        num_warps, num_stages)
-    launch(x, [w for w, _ in projections], [s for _, s in projections], outs, plan, up, limit, x16)
+    launch(x, [w for w, _ in projections], [s for _, s in projections], outs, plan, up, limit, x16, out16)
     return outs
 
 
@@ -250,12 +273,14 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor
                   mode: str | None = None, split_factor: float = 1,
                   block_k: int | None = None, half: bool | None = None, pdl: bool | str | None = None,
                   num_warps: int | None = None, num_stages: int | None = None,
-                  x16: torch.Tensor | None = None) -> torch.Tensor:
+                  x16: torch.Tensor | None = None, out16: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ dequant(weight).T` in fp32 accumulation, in x's dtype (or written into `out`). `x16`: x already
     converted to fp16 (x's strides), which fp16 products against FP8 weights then read instead of
-    converting x in every program; the result is the same."""
+    converting x in every program; the result is the same. `out16`: an fp16 tensor with the output's
+    shape and strides that receives the output converted to fp16 as well (for a next projection's `x16`)."""
     return _run(x, [(weight, scale_inv)], None if out is None else [out], split_k, block_n, mode, split_factor,
-                block_k=block_k, half=half, pdl=pdl, num_warps=num_warps, num_stages=num_stages, x16=x16)[0]
+                block_k=block_k, half=half, pdl=pdl, num_warps=num_warps, num_stages=num_stages, x16=x16,
+                out16=out16)[0]
 
 
 def skinny_linear_multi(x: torch.Tensor, projections, outs=None, *, split_k: int | None = None,
@@ -275,11 +300,12 @@ def gate_up_swiglu(x: torch.Tensor, gate_w: torch.Tensor, gate_s: torch.Tensor |
                    split_k: int | None = None, block_n: int | None = None, mode: str | None = None,
                    split_factor: float = 1, block_k: int | None = None, half: bool | None = None,
                    pdl: bool | str | None = None, num_warps: int | None = None,
-                   num_stages: int | None = None, x16: torch.Tensor | None = None) -> torch.Tensor:
+                   num_stages: int | None = None, x16: torch.Tensor | None = None,
+                   out16: torch.Tensor | None = None) -> torch.Tensor:
     """`silu(min(g, limit)) * clamp(u, -limit, limit)`, g = x @ gate.T, u = x @ up.T, in x's dtype (`x16`
-    as for `skinny_linear`)."""
+    and `out16` as for `skinny_linear`)."""
     if up_w.shape != gate_w.shape or up_w.dtype != gate_w.dtype:
         raise ValueError("gate and up weights must share shape and dtype")
     return _run(x, [(gate_w, gate_s)], None if out is None else [out], split_k, block_n, mode, split_factor,
                 up=(up_w, up_s), limit=limit, block_k=block_k, half=half, pdl=pdl, num_warps=num_warps,
-                num_stages=num_stages, x16=x16)[0]
+                num_stages=num_stages, x16=x16, out16=out16)[0]

@@ -218,9 +218,10 @@ def _accumulate(x_ptr, stride_xm, M, K, w_ptr, s_ptr, w2_ptr, s2_ptr, s_stride, 
 
 
 @triton.jit
-def _finish(acc, acc2, o_ptr, stride_om, n0, M, N, limit, TWO: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Store the tile (after the clamped SwiGLU of gate=acc, up=acc2 when TWO)."""
+def _finish(acc, acc2, o_ptr, stride_om, n0, M, N, limit, o16_ptr, TWO: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, O16: tl.constexpr):
+    """Store the tile (after the clamped SwiGLU of gate=acc, up=acc2 when TWO); with O16 the stored
+    values in fp16 to o16_ptr as well (the output's strides)."""
     rows = tl.arange(0, BLOCK_M)
     cols = n0 + tl.arange(0, BLOCK_N)
     val = acc
@@ -229,16 +230,19 @@ def _finish(acc, acc2, o_ptr, stride_om, n0, M, N, limit, TWO: tl.constexpr,
         u = tl.minimum(tl.maximum(acc2, -limit), limit)
         val = g / (1.0 + tl.exp(-g)) * u
     mask = (rows[:, None] < M) & (cols[None, :] < N)
-    tl.store(o_ptr + rows[:, None] * stride_om + cols[None, :], val.to(o_ptr.dtype.element_ty), mask=mask)
+    out = val.to(o_ptr.dtype.element_ty)
+    tl.store(o_ptr + rows[:, None] * stride_om + cols[None, :], out, mask=mask)
+    if O16:
+        tl.store(o16_ptr + rows[:, None] * stride_om + cols[None, :], out.to(tl.float16), mask=mask)
 
 
 @triton.jit
 def _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, local, pid_k, ws_ptr, cnt_ptr,
              num_tiles, limit, s_stride, w_ptr, s_ptr, w2_ptr, s2_ptr, o_ptr, stride_om, N, r_ptr, r2_ptr, pf_iters,
-             stamp_ptr, xb_ptr, IS_FP8: tl.constexpr, F32: tl.constexpr, TWO: tl.constexpr, SPLIT: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
-             F32_SUB: tl.constexpr, HALF: tl.constexpr, SWAP: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr,
-             PDL_LATE: tl.constexpr, STAMP: tl.constexpr, X_TMA: tl.constexpr):
+             stamp_ptr, xb_ptr, o16_ptr, IS_FP8: tl.constexpr, F32: tl.constexpr, TWO: tl.constexpr,
+             SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             USE_DOT: tl.constexpr, F32_SUB: tl.constexpr, HALF: tl.constexpr, SWAP: tl.constexpr, TMA: tl.constexpr,
+             PDL: tl.constexpr, PDL_LATE: tl.constexpr, STAMP: tl.constexpr, X_TMA: tl.constexpr, O16: tl.constexpr):
     """One program's share of one projection: tile `local` of it, K split `pid_k`. With PDL it first lets
     the next kernel start (with PDL_LATE only after its products), prefetches its weight tiles' first
     pf_iters K steps (from the plain pointers r_ptr / r2_ptr) and waits for the previous kernel."""
@@ -294,10 +298,10 @@ def _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, local, pid_k, 
                 tot += tl.load(mine + s * split_stride, mask=keep, other=0.0, cache_modifier=".cg")
                 if TWO:
                     tot2 += tl.load(mine + s * split_stride + TILE, mask=keep, other=0.0, cache_modifier=".cg")
-            _finish(tot, tot2, o_ptr, stride_om, n0, M, N, limit, TWO, BLOCK_M, BLOCK_N)
+            _finish(tot, tot2, o_ptr, stride_om, n0, M, N, limit, o16_ptr, TWO, BLOCK_M, BLOCK_N, O16)
             tl.store(cnt_ptr + tile, 0)
     else:
-        _finish(acc, acc2, o_ptr, stride_om, n0, M, N, limit, TWO, BLOCK_M, BLOCK_N)
+        _finish(acc, acc2, o_ptr, stride_om, n0, M, N, limit, o16_ptr, TWO, BLOCK_M, BLOCK_N, O16)
 
 
 @triton.jit
@@ -309,12 +313,12 @@ def skinny_kernel(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, ws_ptr, cnt_ptr
                   w3, s3, o3, so3, N3, T4,
                   w4, s4, o4, so4, N4, T5,
                   w5, s5, o5, so5, N5,
-                  pf_iters, up_r, r0, r1, r2, r3, r4, r5, stamp_ptr, xb_ptr,
+                  pf_iters, up_r, r0, r1, r2, r3, r4, r5, stamp_ptr, xb_ptr, o16_ptr,
                   NUM: tl.constexpr, FP8_MASK: tl.constexpr, F32_MASK: tl.constexpr, TWO: tl.constexpr,
                   SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   USE_DOT: tl.constexpr, F32_SUB: tl.constexpr, HALF: tl.constexpr, SWAP: tl.constexpr,
                   TMA: tl.constexpr, PDL: tl.constexpr, PDL_LATE: tl.constexpr, STAMP: tl.constexpr = False,
-                  X_TMA: tl.constexpr = False):
+                  X_TMA: tl.constexpr = False, O16: tl.constexpr = False):
     """Grid (num_tiles, split). Projection p owns tiles [T_p, T_{p+1}) (T_0 = 0, T_NUM = num_tiles);
     bit p of FP8_MASK / F32_MASK says whether its weight is FP8 / whether it multiplies in fp32.
     With TWO (one projection only) projection 0 is the gate and up_w/up_s the up weight. With TMA every
@@ -322,45 +326,51 @@ def skinny_kernel(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, ws_ptr, cnt_ptr
     products take (with HALF possibly an fp16 copy of them), xb_ptr (a plain pointer, same strides)
     the activations as given, for the bf16 redo of a program whose fp16 products overflow. r_p / up_r
     are the weights' plain pointers, for the L2 prefetch of a programmatic-dependent launch (PDL).
-    With STAMP each program writes its timestamps to stamp_ptr (`glm5next.kernels.stamps`)."""
+    With STAMP each program writes its timestamps to stamp_ptr (`glm5next.kernels.stamps`); with O16
+    (one projection only) projection 0's output goes in fp16 to o16_ptr as well."""
     stamp(stamp_ptr, 0, STAMP)
     tile = tl.program_id(0)
     pid_k = tl.program_id(1)
     if tile < T1:
         _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile, pid_k, ws_ptr, cnt_ptr, num_tiles,
-                 limit, s_stride, w0, s0, up_w, up_s, o0, so0, N0, r0, up_r, pf_iters, stamp_ptr, xb_ptr, FP8_MASK & 1,
-                 F32_MASK & 1, TWO, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE,
-                 STAMP, X_TMA)
+                 limit, s_stride, w0, s0, up_w, up_s, o0, so0, N0, r0, up_r, pf_iters, stamp_ptr, xb_ptr, o16_ptr,
+                 FP8_MASK & 1, F32_MASK & 1, TWO, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, HALF, SWAP, TMA,
+                 PDL, PDL_LATE, STAMP, X_TMA, O16)
     if NUM > 1:
         if (tile >= T1) & (tile < T2):
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T1, pid_k, ws_ptr, cnt_ptr,
-                     num_tiles, limit, s_stride, w1, s1, w1, s1, o1, so1, N1, r1, r1, pf_iters, stamp_ptr, xb_ptr,
+                     num_tiles, limit, s_stride, w1, s1, w1, s1, o1, so1, N1, r1, r1, pf_iters, stamp_ptr,
+                     xb_ptr, xb_ptr,
                      (FP8_MASK >> 1) & 1, (F32_MASK >> 1) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
-                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, X_TMA)
+                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, X_TMA, False)
     if NUM > 2:
         if (tile >= T2) & (tile < T3):
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T2, pid_k, ws_ptr, cnt_ptr,
-                     num_tiles, limit, s_stride, w2, s2, w2, s2, o2, so2, N2, r2, r2, pf_iters, stamp_ptr, xb_ptr,
+                     num_tiles, limit, s_stride, w2, s2, w2, s2, o2, so2, N2, r2, r2, pf_iters, stamp_ptr,
+                     xb_ptr, xb_ptr,
                      (FP8_MASK >> 2) & 1, (F32_MASK >> 2) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
-                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, X_TMA)
+                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, X_TMA, False)
     if NUM > 3:
         if (tile >= T3) & (tile < T4):
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T3, pid_k, ws_ptr, cnt_ptr,
-                     num_tiles, limit, s_stride, w3, s3, w3, s3, o3, so3, N3, r3, r3, pf_iters, stamp_ptr, xb_ptr,
+                     num_tiles, limit, s_stride, w3, s3, w3, s3, o3, so3, N3, r3, r3, pf_iters, stamp_ptr,
+                     xb_ptr, xb_ptr,
                      (FP8_MASK >> 3) & 1, (F32_MASK >> 3) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
-                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, X_TMA)
+                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, X_TMA, False)
     if NUM > 4:
         if (tile >= T4) & (tile < T5):
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T4, pid_k, ws_ptr, cnt_ptr,
-                     num_tiles, limit, s_stride, w4, s4, w4, s4, o4, so4, N4, r4, r4, pf_iters, stamp_ptr, xb_ptr,
+                     num_tiles, limit, s_stride, w4, s4, w4, s4, o4, so4, N4, r4, r4, pf_iters, stamp_ptr,
+                     xb_ptr, xb_ptr,
                      (FP8_MASK >> 4) & 1, (F32_MASK >> 4) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
-                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, X_TMA)
+                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, X_TMA, False)
     if NUM > 5:
         if tile >= T5:
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T5, pid_k, ws_ptr, cnt_ptr,
-                     num_tiles, limit, s_stride, w5, s5, w5, s5, o5, so5, N5, r5, r5, pf_iters, stamp_ptr, xb_ptr,
+                     num_tiles, limit, s_stride, w5, s5, w5, s5, o5, so5, N5, r5, r5, pf_iters, stamp_ptr,
+                     xb_ptr, xb_ptr,
                      (FP8_MASK >> 5) & 1, (F32_MASK >> 5) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
-                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, X_TMA)
+                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, X_TMA, False)
     stamp(stamp_ptr, 5, STAMP)
 
 
@@ -400,10 +410,11 @@ def _prefetch_iters(weights: list[torch.Tensor], iters: int) -> int:
 
 def launch(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor | None],
            outs: list[torch.Tensor], plan: LaunchPlan, up: tuple[torch.Tensor, torch.Tensor | None] | None = None,
-           limit: float = 0.0, x16: torch.Tensor | None = None) -> None:
+           limit: float = 0.0, x16: torch.Tensor | None = None, out16: torch.Tensor | None = None) -> None:
     """Run `skinny_kernel` for validated arguments: outs[p] = x @ dequant(weights[p]).T, or with `up`
     (one projection) outs[0] = swiglu(x @ gate.T, x @ up.T) clamped at `limit`. `x16` (x in fp16, x's
-    strides) feeds the products where they are fp16 and every weight FP8, so no program converts x."""
+    strides) feeds the products where they are fp16 and every weight FP8, so no program converts x;
+    `out16` (one projection; outs[0]'s strides) receives outs[0] in fp16 as well."""
     M, K = x.shape
     bm, bn, bk = plan.block_m, plan.block_n, plan.block_k
     bounds, total = [], 0
@@ -459,10 +470,11 @@ def launch(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tens
     skinny_kernel[(total, split)](
         TensorDescriptor.from_tensor(xa, [bm, bk]) if x_tma else xa, x.stride(0), M, K, k_iters, iters, split, ws,
         cnt, total, float(limit), s_stride, up_w, up_s, *per_proj,
-        pf_iters, *raw, stamps if stamped else ws, x,
+        pf_iters, *raw, stamps if stamped else ws, x, x if out16 is None else out16,
         NUM=len(weights), FP8_MASK=fp8_mask, F32_MASK=f32_mask, TWO=up is not None, SPLIT=split > 1,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_DOT=plan.use_dot, F32_SUB=min(plan.f32_sub_k, bk), HALF=plan.half,
         SWAP=plan.swap, TMA=tma, PDL=pdl, PDL_LATE=pdl and plan.pdl_late, STAMP=stamped, X_TMA=x_tma,
+        O16=out16 is not None,
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
         **({"launch_pdl": True} if pdl else {}))
