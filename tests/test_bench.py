@@ -431,6 +431,24 @@ def test_boundary_sweep_times_contraction_when_asked(monkeypatch):
     assert boundary_kernels.FP_FUSION is False
 
 
+def test_boundary_sweep_times_the_scalar_finisher_on_one_token_blocks(monkeypatch):
+    """`finish_scalar` (False, True): one-token-block tilings once as shipped and once with the scalar
+    finisher; blocks of several tokens only as shipped; the module's setting restored afterwards."""
+    import glm5next.bench.sweep as sweep
+    import glm5next.kernels.boundary as boundary_kernels
+
+    seen = []
+    monkeypatch.setattr(sweep, "_time", lambda fn, calls, replays: fn() or 1.0)
+    monkeypatch.setattr(sweep, "boundary_mixer", lambda device: (None, None, None))
+    monkeypatch.setattr(sweep, "boundary_state", lambda T, device: (None,) * 4)
+    monkeypatch.setattr(sweep, "mhc_boundary",
+                        lambda *a, **k: seen.append((k["block_t"], boundary_kernels.FINISH_SCALAR)))
+    rows = sweep.sweep_boundary("cpu", [2], 1, block_ts=(1, 2), chunks=(32,), finish_scalar=(False, True))
+    assert [r["variant"] for r in rows] == ["bt1-c32", "bt1-c32-scalar", "bt2-c32", "bt2-c32-token"]
+    assert sorted(set(seen)) == [(1, False), (1, True), (2, False)]
+    assert boundary_kernels.FINISH_SCALAR is False
+
+
 def test_tune_merge_keeps_the_sizes_not_measured():
     """`tune-policy --merge`: the new run's token counts win, the file's others stay (tables and times,
     in token order); another GPU's file or an unknown choice is refused, naming it."""

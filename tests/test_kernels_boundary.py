@@ -178,14 +178,16 @@ def test_launch_modes():
         fused.mhc_boundary(*args, **KW, pdl="early")
 
 
-@pytest.mark.parametrize("registers", [False, True])
+@pytest.mark.parametrize("registers", [False, True, "scalar"])
 @pytest.mark.parametrize("T, D", [(1, 64), (3, 100)])
 def test_deferred_sinkhorn_chain_equals_the_plain_chain(monkeypatch, T, D, registers):
     """first -> boundary -> boundary -> last with every comb left pending (one Sinkhorn iteration) and
     finished by the next launch's chunk programs: the same streams, post, x and hidden states as the
-    plain chain (bit for bit on the register path, which runs the same iterations on the same values),
-    each pending comb the reference's, and finishing it gives the plain comb."""
-    monkeypatch.setattr(fused, "SINKHORN_IN_REGISTERS", registers)
+    plain chain (bit for bit on the register path, which runs the same iterations on the same values;
+    "scalar": that path with the scalar finisher where the blocks hold one token), each pending comb
+    the reference's, and finishing it gives the plain comb."""
+    monkeypatch.setattr(fused, "SINKHORN_IN_REGISTERS", bool(registers))
+    monkeypatch.setattr(fused, "FINISH_SCALAR", registers == "scalar")
     g = torch.Generator().manual_seed(300 + T)
     hcs = [_stock_hc(D, 40 + i) for i in range(3)]
     emb = torch.randn(T, D, generator=g)
@@ -342,3 +344,34 @@ def test_x16_buffer_is_checked():
                 torch.empty(64, 2, dtype=torch.float16).t()):
         with pytest.raises(ValueError, match="x16 must be a contiguous fp16"):
             fused.mhc_boundary(out, streams, post, comb, *_mixer(hc), norm_w, **KW, x16=bad)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("T, D", [(1, 64), (3, 130)])
+def test_scalar_finisher_of_one_token_blocks(monkeypatch, T, D, dtype):
+    """`FINISH_SCALAR`: one-token blocks (the GPU's form up to 16 tokens) on the register path finish
+    with the mixer's outputs as scalars: the boundary and the first layer match the reference with
+    NaN-filled outputs (and their x16 is x in fp16), the tile finisher within rounding; the last layer
+    and blocks of several tokens keep the tile finisher."""
+    monkeypatch.setattr(fused, "SINKHORN_IN_REGISTERS", True)
+    out, streams, post, comb, hc, norm_w = _case(T, D, dtype, seed=61)
+    tile = fused.mhc_boundary(out, streams, post, comb, *_mixer(hc), norm_w, **KW, block_t=1)
+    monkeypatch.setattr(fused, "FINISH_SCALAR", True)
+    p = fused.plan(T, D, N, False, block_t=1)
+    assert fused.finishes_by_scalars(p, 0, N, D) and fused.finishes_by_scalars(p, 1, N, D)
+    assert not fused.finishes_by_scalars(p, 2, N, D) and not fused.finishes_by_scalars(p, 0, 2, D)
+    assert not fused.finishes_by_scalars(fused.plan(T, D, N, False, block_t=2), 0, N, D)
+    tol = 1e-5 if dtype == torch.float32 else 3 * 2.0**-7
+    x16 = torch.full((T, D), float("nan"), dtype=torch.float16)
+    got = fused.mhc_boundary(out, streams, post, comb, *_mixer(hc), norm_w, **KW, block_t=1, x16=x16,
+                             **_nan_buffers(T, D, dtype))
+    want = ref.mhc_boundary(out, streams, post, comb, *_mixer(hc), norm_w, **KW)
+    for g, w, t in zip(got, want, tile):
+        _close(g, w, tol)
+        _close(g, t, 1e-5 if dtype == torch.float32 else 2.0**-7)
+    assert torch.equal(x16, got[3].to(torch.float16))
+    bufs = _nan_buffers(T, D, dtype)
+    first = fused.mhc_first(out, *_mixer(hc), norm_w, **KW, block_t=1, streams=bufs["new_streams"],
+                            post=bufs["new_post"], comb=bufs["new_comb"], x=bufs["x"])
+    for g, w in zip(first, ref.mhc_first(out, *_mixer(hc), norm_w, **KW)):
+        _close(g, w, tol)

@@ -12,9 +12,11 @@ from glm5next.kernels.linear import skinny_linear_multi
 
 
 def test_slots_fit_the_rows_the_kernels_write():
-    """The device side writes rows 16 wide: the timer at the slot, the SM at column 6, the cycle
-    counter at 8 + slot (literals in `stamp`)."""
-    assert stamps.SLOTS == 16 and stamps.SM == 6 and stamps.CLOCK == 8 and stamps.END < stamps.SM
+    """The device side writes rows 32 wide: the timer at the slot, the SM at column 8, the cycle
+    counter at 16 + slot (literals in `stamp`); the kernels write END at slot 7 and the boundary's
+    finisher MIXED and SINKHORN at 5 and 6 (literals in the kernels)."""
+    assert stamps.SLOTS == 32 and stamps.SM == 8 and stamps.CLOCK == 16 and stamps.END < stamps.SM
+    assert (stamps.MIXED, stamps.SINKHORN, stamps.END) == (5, 6, 7)
     assert stamps.NAMES[stamps.START] == "start" and stamps.NAMES[stamps.END] == "end"
 
 
@@ -23,8 +25,8 @@ def test_buffers_are_checked():
     with pytest.raises(ValueError, match="need a GPU"):
         stamps.check(stamps.buffer(10, "cpu"), 10, torch.device("cpu"))
     cuda = torch.device("cuda", 0)  # only compared with, never touched
-    with pytest.raises(ValueError, match="at least 10 x 16"):
-        stamps.check(torch.zeros(10, 16, dtype=torch.int64), 10, cuda)  # on the wrong device
+    with pytest.raises(ValueError, match="at least 10 x 32"):
+        stamps.check(torch.zeros(10, 32, dtype=torch.int64), 10, cuda)  # on the wrong device
     assert stamps.buffer(3, "cpu").shape == (3, stamps.SLOTS)
 
 
@@ -61,10 +63,12 @@ def _rows(programs: int, **cols) -> torch.Tensor:
 
 def test_pair_report_counts_from_the_boundarys_first_start():
     """Times in µs from the boundary's first program start (ns stamps); the group's programs that
-    started and prefetched before the boundary's last end; its waits and end after that end."""
+    started and prefetched before the boundary's last end; its waits and end after that end; the
+    finisher's phases between its FINISH, MIXED, SINKHORN and END stamps."""
     t0 = 1_000_000
     b = _rows(3, start=[t0, t0 + 200, t0 + 400], products=[t0 + 3000, t0 + 3100, t0 + 3200],
-              finish=[0, 0, t0 + 3300], end=[t0 + 3050, t0 + 3150, t0 + 6000], sm=[0, 1, 2])
+              finish=[0, 0, t0 + 3300], mixed=[0, 0, t0 + 4100], sinkhorn=[0, 0, t0 + 4900],
+              end=[t0 + 3050, t0 + 3150, t0 + 6000], sm=[0, 1, 2])
     g = _rows(4, start=[t0 + 500, t0 + 700, t0 + 5000, t0 + 7000],
               prefetched=[t0 + 2500, t0 + 6500, t0 + 5500, t0 + 7500],
               waited=[t0 + 6100, t0 + 6600, t0 + 6100, t0 + 7600], end=[t0 + 9000, t0 + 9500, t0 + 9100, t0 + 11000],
@@ -82,11 +86,14 @@ def test_pair_report_counts_from_the_boundarys_first_start():
     assert m["group_programs"] == 4
     assert m["group_waited_after_boundary_end"] == pytest.approx(dict(first=0.1, last=1.6))
     assert m["group_end_after_boundary_end"] == pytest.approx(5.0)
+    assert m["finisher"] == pytest.approx(dict(mix_us=0.8, mix_cycles=1600, sinkhorn_us=0.8, sinkhorn_cycles=1600,
+                                               collapse_us=1.1, collapse_cycles=2200))
     later = [dict(r, met=dict(m, boundary_us=us, group_waited_after_boundary_end=dict(first=f, last=1.6)))
              for us, f in ((8.0, 0.5), (7.0, 0.3))]
     med = overlap.median_report([r] + later)
     assert med["boundary_us"] == 7.0 and med["group_waited_after_boundary_end"]["first"] == 0.3
-    assert med["group_programs"] == 4
+    assert med["group_programs"] == 4 and med["finisher"]["collapse_us"] == pytest.approx(1.1)
+    assert "finisher" not in overlap.pair_report(_rows(1, start=[t0], end=[t0 + 900], sm=[0]), g)["met"]
     with pytest.raises(ValueError, match="group launch wrote no stamps"):
         overlap.pair_report(b, torch.zeros(4, stamps.SLOTS, dtype=torch.int64))
 

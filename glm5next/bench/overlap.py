@@ -15,8 +15,9 @@ Per pair, times in µs from the first start of any of the boundary's programs: f
 stamp, the first / median / last program (and the median cycles from each program's start); and how
 the two met — how many of the group's programs had started, and issued their prefetch, before the
 boundary's last program ended, and when the group's waits returned and its last program ended,
-counted from that end. The smallest step the global timer took (`timer_step_ns`) says how fine those
-times are.
+counted from that end; and the boundary's finishers, split at their MIXED and SINKHORN stamps
+(median over the launch's finishers, in µs of the global timer and in cycles of their SM). The smallest
+step the global timer took (`timer_step_ns`) says how fine those times are.
 """
 
 from __future__ import annotations
@@ -64,11 +65,33 @@ def pair_report(boundary: torch.Tensor, group: torch.Tensor) -> dict:
         met["group_waited_after_boundary_end"] = dict(first=g["waited"]["first"] - b_end,
                                                       last=g["waited"]["last"] - b_end)
     met["group_end_after_boundary_end"] = g["end"]["last"] - b_end
+    fin = finisher_phases(rows)
+    if fin:
+        met["finisher"] = fin
     return dict(boundary=b, group=g, met=met)
 
 
+FINISHER_PHASES = (("mix", _stamps.FINISH, _stamps.MIXED), ("sinkhorn", _stamps.MIXED, _stamps.SINKHORN),
+                   ("collapse", _stamps.SINKHORN, _stamps.END))
+"""The boundary finisher's parts: the partial sums and mixer weights, the remaining Sinkhorn iterations,
+the collapse, norm and stores."""
+
+
+def finisher_phases(rows: torch.Tensor) -> dict:
+    """Median µs (global timer) and cycles (the SM's counter) of each finisher phase over the programs that
+    wrote every stamp of it; empty where no program did."""
+    out = {}
+    for name, a, b in FINISHER_PHASES:
+        wrote = (rows[:, a] != 0) & (rows[:, b] != 0)
+        if wrote.any():
+            out[f"{name}_us"] = float(((rows[wrote, b] - rows[wrote, a]).to(torch.float64) / 1000).median())
+            out[f"{name}_cycles"] = float((rows[wrote, _stamps.CLOCK + b] - rows[wrote, _stamps.CLOCK + a])
+                                          .to(torch.float64).median())
+    return out
+
+
 def median_report(pairs: list[dict]) -> dict:
-    """The median over pairs of every number in `pair_report`'s `met` (nested first/last included)."""
+    """The median over pairs of every number in `pair_report`'s `met` (nested ones included)."""
     out = {}
     for key, v in pairs[0]["met"].items():
         if isinstance(v, dict):
@@ -128,6 +151,10 @@ def _print(r: dict) -> None:
           f"before its end; waits return {w0:+.2f}..{w1:+.2f}, "
           f"ends {m['group_end_after_boundary_end']:+.2f} us after it (timer step {r.get('timer_step_ns')} ns)",
           flush=True)
+    fin = m.get("finisher")
+    if fin:
+        print("      finisher: " + ", ".join(f"{name} {fin[name + '_us']:.2f} us ({fin[name + '_cycles']:.0f} cycles)"
+                                          for name, _, _ in FINISHER_PHASES if name + "_us" in fin), flush=True)
 
 
 def main(argv=None) -> None:
@@ -137,6 +164,8 @@ def main(argv=None) -> None:
     p.add_argument("--case", default="dsa_group", help="the projection group, a case of sweep.SHAPES")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--replays", type=int, default=20)
+    p.add_argument("--finish-scalar", action="store_true",
+                   help="boundaries of one-token blocks finish on scalars (`FINISH_SCALAR`)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     modes = a.modes.split(",")
@@ -148,10 +177,16 @@ def main(argv=None) -> None:
         raise SystemExit("the overlap benchmark needs a GPU (kernel timestamps)")
     device = torch.device("cuda")
     results = []
-    for T in [int(t) for t in a.t.split(",")]:
-        for mode in modes:
-            results.append(run(device, T, mode, a.case, a.layers, a.replays))
-            _print(results[-1])
+    shipped = _boundary.FINISH_SCALAR
+    _boundary.FINISH_SCALAR = shipped or a.finish_scalar
+    try:
+        for T in [int(t) for t in a.t.split(",")]:
+            for mode in modes:
+                results.append(dict(run(device, T, mode, a.case, a.layers, a.replays),
+                                    finish_scalar=_boundary.FINISH_SCALAR))
+                _print(results[-1])
+    finally:
+        _boundary.FINISH_SCALAR = shipped
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(device), "results": results}, f, indent=1)

@@ -265,10 +265,11 @@ def boundary_state(T: int, device):
 
 
 def sweep_boundary(device, t_values, replays: int, block_ts=(1, 2, 4), chunks=(32, 64, 128, 256, 512),
-                   warps=(4,), deferred=(False,), fp_fusion=(False,)) -> list[dict]:
+                   warps=(4,), deferred=(False,), fp_fusion=(False,), finish_scalar=(False,)) -> list[dict]:
     """The boundary's tilings at each token count, 64 launches in a row (`deferred` True: each takes
     its comb as pending and leaves its own so, the "fused-deferred" choice; `fp_fusion` True: compiled
-    with floating-point contraction, as `boundary_kernels.FP_FUSION` allows)."""
+    with floating-point contraction, as `boundary_kernels.FP_FUSION` allows; `finish_scalar` True: one-token
+    blocks finish with the mixer's outputs as scalars, `boundary_kernels.FINISH_SCALAR`)."""
     D, n = BOUNDARY_D, BOUNDARY_N
     rows = []
     copies = 64
@@ -282,17 +283,19 @@ def sweep_boundary(device, t_values, replays: int, block_ts=(1, 2, 4), chunks=(3
             if block_t > T:
                 continue
             # Blocks of several tokens: both finishers (tiles stored and re-read, or token by token).
-            for chunk, by_token, nw, defer, fma in itertools.product(
-                    chunks, (False, True) if block_t > 1 else (False,), warps, deferred, fp_fusion):
+            for chunk, by_token, nw, defer, fma, scalar in itertools.product(
+                    chunks, (False, True) if block_t > 1 else (False,), warps, deferred, fp_fusion,
+                    finish_scalar if block_t == 1 else (False,)):
                 def run(block_t=block_t, chunk=chunk, defer=defer):
                     for mx in mixers:
                         mhc_boundary(out, streams, post, comb, *mx, **kw, new_streams=bufs[0], new_post=bufs[1],
                                      new_comb=bufs[2], x=bufs[3], block_t=block_t, chunk=chunk,
                                      defer_sinkhorn=defer, comb_pending=defer)
                 label = f"bt={block_t} chunk={chunk:3d}" + (" by token" if by_token else "") + (
-                    f" warps={nw}" if nw != 4 else "") + (" deferred" if defer else "") + (" contracted" if fma else "")
+                    f" warps={nw}" if nw != 4 else "") + (" deferred" if defer else "") + (
+                    " contracted" if fma else "") + (" scalar" if scalar else "")
                 fn = _with(boundary_kernels, "NUM_WARPS", nw, _with(boundary_kernels, "FINISH_BY_TOKEN", by_token, run))
-                fn = _with(boundary_kernels, "FP_FUSION", fma, fn)
+                fn = _with(boundary_kernels, "FINISH_SCALAR", scalar, _with(boundary_kernels, "FP_FUSION", fma, fn))
                 try:
                     us = _time(fn, copies, replays)
                 except Exception as e:
@@ -300,7 +303,7 @@ def sweep_boundary(device, t_values, replays: int, block_ts=(1, 2, 4), chunks=(3
                     torch.cuda.synchronize()
                     continue
                 variant = (f"bt{block_t}-c{chunk}{'-token' if by_token else ''}{f'-w{nw}' if nw != 4 else ''}"
-                           f"{'-deferred' if defer else ''}{'-contracted' if fma else ''}")
+                           f"{'-deferred' if defer else ''}{'-contracted' if fma else ''}{'-scalar' if scalar else ''}")
                 rows.append(dict(case="boundary", m=T, variant=variant, us=us))
                 print(f"boundary        T={T:2d} {label:32s} {us:8.2f} us", flush=True)
     return rows
@@ -373,6 +376,8 @@ def main(argv=None) -> None:
                    help="time each boundary tiling also with Sinkhorn deferred (the 'fused-deferred' choice)")
     p.add_argument("--fp-fusion", action="store_true",
                    help="time each boundary tiling also compiled with floating-point contraction")
+    p.add_argument("--finish-scalar", action="store_true",
+                   help="time each one-token-block tiling also with the scalar finisher (FINISH_SCALAR)")
     p.add_argument("--variants", default=None, help=f"comma-separated subset of {', '.join(VARIANTS)}")
     p.add_argument("--cases", default=None, help=f"comma-separated subset of {', '.join(SHAPES)}")
     p.add_argument("--out", default=None)
@@ -393,7 +398,8 @@ def main(argv=None) -> None:
         rows += sweep_boundary(device, [int(t) for t in a.t.split(",")], a.replays,
                                [int(b) for b in a.block_t.split(",")], [int(c) for c in a.chunks.split(",")],
                                [int(w) for w in a.warps.split(",")], (False, True) if a.deferred else (False,),
-                               (False, True) if a.fp_fusion else (False,))
+                               (False, True) if a.fp_fusion else (False,),
+                               (False, True) if a.finish_scalar else (False,))
     if not a.skip_linear:
         rows += sweep_linear(device, [int(m) for m in a.m.split(",")], bw["bytes_per_s"], a.replays, variants, cases)
     if a.out:

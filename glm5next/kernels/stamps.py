@@ -15,6 +15,9 @@ The slots (the kernels write those they have):
   WAITED      the previous kernel finished: its wait returned
   PRODUCTS    its products stored (the split-K partial, or the boundary's chunk partial)
   FINISH      the program that arrived last at a tile / token block begins the finishing work
+  MIXED       the boundary's finisher: the chunk partials summed and the mixer's weights computed
+              (before the remaining Sinkhorn iterations)
+  SINKHORN    the boundary's finisher: Sinkhorn done (before the collapse and the norm)
   END         its last instruction
   SM          the SM it ran on (`%smid`)
   CLOCK + s   the SM's cycle counter at slot s
@@ -30,10 +33,10 @@ import torch
 import triton
 import triton.language as tl
 
-START, PREFETCHED, WAITED, PRODUCTS, FINISH, END, SM = range(7)
-CLOCK = 8
-SLOTS = 16
-NAMES = ("start", "prefetched", "waited", "products", "finish", "end")
+START, PREFETCHED, WAITED, PRODUCTS, FINISH, MIXED, SINKHORN, END, SM = range(9)
+CLOCK = 16
+SLOTS = 32
+NAMES = ("start", "prefetched", "waited", "products", "finish", "mixed", "sinkhorn", "end")
 
 
 @triton.jit
@@ -55,13 +58,13 @@ def _read_sm(x):
 @triton.jit
 def stamp(ptr, slot: tl.constexpr, STAMP: tl.constexpr):
     """Write the timer and the cycle counter into this program's `slot` (with the SM into column SM at
-    START); nothing unless STAMP. (Literal columns: SLOTS 16, SM 6, CLOCK 8.)"""
+    START); nothing unless STAMP. (Literal columns: SLOTS 32, SM 8, CLOCK 16.)"""
     if STAMP:
         prog = tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)
-        tl.store(ptr + prog * 16 + 8 + slot, _read_clock(prog))
-        tl.store(ptr + prog * 16 + slot, _read_timer(prog))
+        tl.store(ptr + prog * 32 + 16 + slot, _read_clock(prog))
+        tl.store(ptr + prog * 32 + slot, _read_timer(prog))
         if slot == 0:
-            tl.store(ptr + prog * 16 + 6, _read_sm(prog).to(tl.int64))
+            tl.store(ptr + prog * 32 + 8, _read_sm(prog).to(tl.int64))
 
 
 def buffer(programs: int, device) -> torch.Tensor:

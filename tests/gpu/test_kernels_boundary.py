@@ -48,8 +48,12 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+@pytest.mark.parametrize("scalar", [False, True], ids=["tiles", "scalar"])
 @pytest.mark.parametrize("T", TOKENS)
-def test_boundary_first_last_match_reference(T):
+def test_boundary_first_last_match_reference(T, scalar, monkeypatch):
+    """Each token count against the reference, with the finisher as shipped and with `FINISH_SCALAR`
+    (which one-token blocks, up to 16 tokens, then take)."""
+    monkeypatch.setattr(fused, "FINISH_SCALAR", scalar)
     g = torch.Generator().manual_seed(T)
     mixer, nxt = _mixer(g), _mixer(g)
     out, streams, post, comb = _inputs(T, g, mixer)
@@ -110,13 +114,15 @@ def test_graph_replay_matches_eager(T):
 
 
 @pytest.mark.parametrize("mode", [True, "late", "deferred"])
-@pytest.mark.parametrize("T", [1, 5, 24, 64])
-def test_programmatic_chain_in_a_graph_equals_the_plain_chain(T, mode):
+@pytest.mark.parametrize("T, scalar", [(1, False), (5, False), (24, False), (64, False), (1, True), (5, True)])
+def test_programmatic_chain_in_a_graph_equals_the_plain_chain(T, scalar, mode, monkeypatch):
     """first -> boundary -> boundary -> last with every launch a programmatic dependent of the one before
     (each reads what the previous wrote, and prefetches its mixer before waiting for it; "late": each
     releases the next only after its partial products; "deferred": each comb left pending for the next
     launch to finish), captured and replayed with new inputs: every output equals the eager chain of
-    plain launches bit for bit (a pending comb, once finished, the plain comb to 1e-5)."""
+    plain launches bit for bit (a pending comb, once finished, the plain comb to 1e-5); with the
+    finisher as shipped and with `FINISH_SCALAR`."""
+    monkeypatch.setattr(fused, "FINISH_SCALAR", scalar)
     g = torch.Generator().manual_seed(200 + T)
     mixers = [_mixer(g) for _ in range(3)]
     emb = torch.randn(T, D, generator=g).to(torch.bfloat16).cuda()

@@ -37,7 +37,13 @@ def _ordered(rows: torch.Tensor, programmatic: bool) -> None:
     fin = s[:, stamps.FINISH] != 0
     assert (s[fin, stamps.PRODUCTS] <= s[fin, stamps.FINISH]).all()
     assert (s[fin, stamps.FINISH] <= s[fin, stamps.END]).all()
-    for slot in (stamps.PREFETCHED, stamps.WAITED, stamps.PRODUCTS, stamps.FINISH, stamps.END):
+    mixed = s[:, stamps.MIXED] != 0  # the boundary's finishers only
+    assert not (mixed & ~fin).any() and ((s[:, stamps.SINKHORN] != 0) == mixed).all()
+    assert (s[mixed, stamps.FINISH] <= s[mixed, stamps.MIXED]).all()
+    assert (s[mixed, stamps.MIXED] <= s[mixed, stamps.SINKHORN]).all()
+    assert (s[mixed, stamps.SINKHORN] <= s[mixed, stamps.END]).all()
+    for slot in (stamps.PREFETCHED, stamps.WAITED, stamps.PRODUCTS, stamps.FINISH, stamps.MIXED, stamps.SINKHORN,
+                 stamps.END):
         wrote = s[:, slot] != 0  # its SM's cycle counter moved forward from START
         assert (s[wrote, stamps.CLOCK + slot] >= s[wrote, stamps.CLOCK + stamps.START]).all()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -63,6 +69,7 @@ def test_boundary_stamps(T, pdl, monkeypatch):
     assert (rows[programs:] == 0).all()
     _ordered(rows[:programs], pdl is not False)
     assert int((rows[:programs, stamps.FINISH] != 0).sum()) == p["NT"]  # one finisher per token block
+    assert int((rows[:programs, stamps.MIXED] != 0).sum()) == p["NT"]
 
 
 @pytest.mark.parametrize("pdl", [None, True])

@@ -95,6 +95,13 @@ def plan(T: int, D: int, n: int, on_gpu: bool, block_t: int | None = None, chunk
     )
 
 
+FINISH_SCALAR = False
+"""Whether the finisher of a one-token block (n = 4, the GPU's register form of Sinkhorn, not the last
+layer) takes the mixer's outputs as scalars in every thread (`kernel._finish_token`) instead of small
+tiles whose every sum is a cross-lane reduction. Off until the H200 has timed it: the eighth session's
+timestamps put the finisher at 4.8 of the boundary's 8.3 us at one token. The tiling sweep times both
+(`--finish-scalar`), the tests check it on the CPU."""
+
 FP_FUSION = False
 """Whether ptxas may contract a product and a following sum into an FMA. Off: each compiled form of
 the kernel (plain, programmatic, late release, deferred Sinkhorn) then gives the same bits, which they
@@ -108,6 +115,13 @@ PDL: bool | None = None
 """Launch as programmatic dependents (see `glm5next.kernels.pdl`): each program fetches its chunk of
 the mixer into L2 while the previous kernel finishes. None: wherever the device supports it (the H200
 sweep of 2026-12-04 timed 64 boundaries in a row at 8.6 -> 8.2 us each at 1 token, 11.6 -> 10.1 us at 8)."""
+
+
+def finishes_by_scalars(p: dict, mode: int, n: int, D: int) -> bool:
+    """Whether a launch of plan `p` finishes with the mixer's outputs as scalars (`FINISH_SCALAR`): one
+    token per block, n = 4, Sinkhorn in registers, the row in one finisher tile, a mixer (mode 0 the
+    boundary, 1 the first layer; not 2, the last layer)."""
+    return bool(FINISH_SCALAR) and mode != 2 and n == 4 and p["BT"] == 1 and p["SK4"] > 0 and p["FIN"] >= D
 
 
 def _launch(mode, out, streams, post, comb, fn, base, scale, w, new_streams, new_post, new_comb, x,
@@ -138,6 +152,7 @@ def _launch(mode, out, streams, post, comb, fn, base, scale, w, new_streams, new
     late = pdl == "late"
     pdl = want is not False and _pdl.enabled(out.device)
     stamped = _stamps.check(STAMPS, p["NC"] * nt, out.device)
+    scalar = finishes_by_scalars(p, mode, n, D)
     mhc_kernel[(p["NC"], nt)](
         out, dummy if streams is None else streams, dummy if post is None else post,
         dummy if comb is None else comb, dummy if fn is None else fn, dummy if base is None else base,
@@ -148,7 +163,7 @@ def _launch(mode, out, streams, post, comb, fn, base, scale, w, new_streams, new
         T, float(hc_eps), float(rms_eps), float(norm_eps), float(post_mult), STAMPS if stamped else part,
         x if x16 is None else x16,
         D=D, N=n, MODE=mode, ITERS=1 if defer else int(sinkhorn_iters), PDL=pdl, RELEASE_LATE=pdl and late,
-        ITERS_IN=int(pending_iters), STAMP=stamped, X16=x16 is not None, **p,
+        ITERS_IN=int(pending_iters), STAMP=stamped, X16=x16 is not None, SCALAR=scalar, **p,
         num_warps=NUM_WARPS, enable_fp_fusion=FP_FUSION,
         **({"launch_pdl": True} if pdl else {}),
     )

@@ -129,10 +129,10 @@ def _pending_comb(comb_ptr, tok, tmask, hc_eps, N: tl.constexpr, ITERS_IN: tl.co
 def _mhc_finish(
     tok, tmask, kk,
     fn_ptr, base_ptr, scale_ptr, w_ptr, new_streams_ptr, new_post_ptr, new_comb_ptr, x_ptr, part_ptr, x16_ptr,
-    hc_eps, rms_eps, norm_eps, post_mult,
+    hc_eps, rms_eps, norm_eps, post_mult, stamp_ptr,
     D: tl.constexpr, N: tl.constexpr, ROWS: tl.constexpr, MODE: tl.constexpr, ITERS: tl.constexpr,
     BT: tl.constexpr, NC: tl.constexpr, NCB: tl.constexpr, FIN: tl.constexpr, SK4: tl.constexpr,
-    BY_TOKEN: tl.constexpr, X16: tl.constexpr,
+    BY_TOKEN: tl.constexpr, X16: tl.constexpr, STAMP: tl.constexpr,
 ):
     W: tl.constexpr = ROWS * N
     SSQ: tl.constexpr = (2 + N) * N
@@ -179,12 +179,14 @@ def _mhc_finish(
         cm = tl.where(is_comb, e / tl.sum(e, axis=2)[:, :, None] + hc_eps, 0.0)
         cm = cm / (tl.sum(cm, axis=1)[:, None, :] + hc_eps)
         tl.store(new_post_ptr + tok[:, None] * N + jn[None, :], post, mask=tmask[:, None])
+        _stamp(stamp_ptr, 5, STAMP)  # MIXED
         if SK4 > 0 and N == 4:  # registers on the GPU; the interpreter prefers few vector operations
             _sinkhorn4(tl.reshape(cm, (BT, W)), tok, tmask, kk, new_comb_ptr, hc_eps, ITERS, SK4 == 2)
         else:
             cm = _iterate_tiles(cm, hc_eps, ITERS - 1)
             tl.store(new_comb_ptr + tok[:, None, None] * (N * N) + (a - 2) * N + b, cm,
                      mask=tmask[:, None, None] & is_comb)
+        _stamp(stamp_ptr, 6, STAMP)  # SINKHORN
         # Collapse sum_j pre[j] * streams[j] (cast to the model dtype) and its sum of squares.
         if FIN >= D and BY_TOKEN:
             # One token at a time, its row in registers: collapse, norm, store.
@@ -240,6 +242,82 @@ def _mhc_finish(
 
 
 @triton.jit
+def _finish_token(
+    t0, base_ptr, scale_ptr, w_ptr, new_streams_ptr, new_post_ptr, new_comb_ptr, x_ptr, part_ptr, x16_ptr,
+    hc_eps, rms_eps, norm_eps, post_mult, stamp_ptr,
+    D: tl.constexpr, ROWS: tl.constexpr, ITERS: tl.constexpr, NC: tl.constexpr, NCB: tl.constexpr,
+    FIN: tl.constexpr, RCP: tl.constexpr, X16: tl.constexpr, STAMP: tl.constexpr,
+):
+    """The finisher of one token's block (n = 4 streams, the row in one tile), with the mixer's outputs
+    as scalars: the chunk partials are summed once across the program, the 25 sums go to every thread
+    through the token's first partial row (already read), and from there the weights, Sinkhorn, the
+    collapse and the norm need no exchange between threads but the norm's one sum. (`_mhc_finish`
+    keeps them in [BT, ROWS, 4] tiles, each sum or maximum over them a cross-lane reduction.)"""
+    W: tl.constexpr = ROWS * 4
+    dtype = x_ptr.dtype.element_ty
+    d_row = tl.arange(0, FIN)
+    dm = d_row < D
+    # The row's loads first (the norm weight; the new streams, visible through the acquired ticket).
+    w_row = tl.load(w_ptr + d_row, mask=dm, other=0.0).to(tl.float32)
+    sp = new_streams_ptr + t0 * 4 * D + d_row
+    r0 = tl.load(sp, mask=dm, other=0.0, cache_modifier=".cg")
+    r1 = tl.load(sp + D, mask=dm, other=0.0, cache_modifier=".cg")
+    r2 = tl.load(sp + 2 * D, mask=dm, other=0.0, cache_modifier=".cg")
+    r3 = tl.load(sp + 3 * D, mask=dm, other=0.0, cache_modifier=".cg")
+    cb = tl.arange(0, NCB)
+    kk = tl.arange(0, W)
+    acc = tl.zeros((NCB, W), tl.float32)
+    for c0 in tl.static_range(0, NC, NCB):
+        ptrs = part_ptr + (t0 * NC + c0 + cb[:, None]) * W + kk[None, :]
+        acc += tl.load(ptrs, mask=((c0 + cb) < NC)[:, None], other=0.0, cache_modifier=".cg")
+    tot = tl.sum(acc, axis=0)
+    row = part_ptr + t0 * NC * W
+    tl.debug_barrier()  # every thread has read the partials before their first row is overwritten
+    tl.store(row + kk, tot)
+    tl.debug_barrier()
+    v = ()
+    for i in tl.static_range(25):  # 24 mixer outputs (pre, post, the comb logits), then the sum of squares
+        v = v + (tl.load(row + i, cache_modifier=".cg"),)
+    s0 = tl.load(scale_ptr)
+    s1 = tl.load(scale_ptr + 1)
+    s2 = tl.load(scale_ptr + 2)
+    rm = tl.rsqrt(v[24] / (4 * D) + rms_eps)
+    z = ()
+    for i in tl.static_range(24):
+        sc = s0 if i < 4 else (s1 if i < 8 else s2)
+        z = z + (tl.fma(v[i] * rm, sc, tl.load(base_ptr + i)),)
+    pre = ()
+    for j in tl.static_range(4):
+        pre = pre + (1.0 / (1.0 + tl.exp(-z[j])) + hc_eps,)
+        tl.store(new_post_ptr + t0 * 4 + j, post_mult * (1.0 / (1.0 + tl.exp(-z[4 + j]))))
+    c = ()
+    for i in tl.static_range(4):  # softmax of each comb row, plus eps
+        a, b, e, f = z[8 + 4 * i], z[9 + 4 * i], z[10 + 4 * i], z[11 + 4 * i]
+        top = tl.maximum(tl.maximum(a, b), tl.maximum(e, f))
+        ea, eb, ee, ef = tl.exp(a - top), tl.exp(b - top), tl.exp(e - top), tl.exp(f - top)
+        se = ((ea + eb) + ee) + ef
+        c = c + (ea / se + hc_eps, eb / se + hc_eps, ee / se + hc_eps, ef / se + hc_eps)
+    cs = ()
+    for i in tl.static_range(4):  # then the first iteration's column normalisation
+        for j in tl.static_range(4):
+            cs = cs + (c[4 * i + j] / ((((c[j] + c[4 + j]) + c[8 + j]) + c[12 + j]) + hc_eps),)
+    _stamp(stamp_ptr, 5, STAMP)  # MIXED
+    cs = _iterate4(cs, hc_eps, ITERS - 1, RCP)
+    for q in tl.static_range(16):
+        tl.store(new_comb_ptr + t0 * 16 + q, cs[q])
+    _stamp(stamp_ptr, 6, STAMP)  # SINKHORN
+    # Collapse sum_j pre[j] * streams[j] (cast to the model dtype), then the norm.
+    col = pre[0] * r0.to(tl.float32) + pre[1] * r1.to(tl.float32)
+    col = (col + pre[2] * r2.to(tl.float32)) + pre[3] * r3.to(tl.float32)
+    col = col.to(dtype).to(tl.float32)
+    r = tl.rsqrt(tl.sum(col * col, axis=0) / D + norm_eps)
+    out = (w_row * (col * r).to(dtype).to(tl.float32)).to(dtype)
+    tl.store(x_ptr + t0 * D + d_row, out, mask=dm)
+    if X16:
+        tl.store(x16_ptr + t0 * D + d_row, out.to(tl.float16), mask=dm)
+
+
+@triton.jit
 def _norm_store(xp, x16p, xv, r, wv, m, X16: tl.constexpr):
     """RMSNorm as the stock code rounds it: weight * cast(x * r) (weight `wv` in fp32), cast to the model
     dtype; with X16 that result in fp16 to x16p as well."""
@@ -262,7 +340,7 @@ def mhc_kernel(
     BT: tl.constexpr, SUB: tl.constexpr, NSUB: tl.constexpr, NC: tl.constexpr, NCB: tl.constexpr,
     FIN: tl.constexpr, SK4: tl.constexpr, BY_TOKEN: tl.constexpr, PDL: tl.constexpr,
     RELEASE_LATE: tl.constexpr = False, ITERS_IN: tl.constexpr = 0, STAMP: tl.constexpr = False,
-    X16: tl.constexpr = False,
+    X16: tl.constexpr = False, SCALAR: tl.constexpr = False,
 ):
     _stamp(stamp_ptr, 0, STAMP)
     W: tl.constexpr = ROWS * N
@@ -346,10 +424,16 @@ def mhc_kernel(
     if ticket == NC - 1:
         tl.store(ticket_ptr + tb, 0)
         _stamp(stamp_ptr, 4, STAMP)
-        _mhc_finish(
-            tok, tmask, kk,
-            fn_ptr, base_ptr, scale_ptr, w_ptr, new_streams_ptr, new_post_ptr, new_comb_ptr, x_ptr, part_ptr,
-            x16_ptr, hc_eps, rms_eps, norm_eps, post_mult,
-            D, N, ROWS, MODE, ITERS, BT, NC, NCB, FIN, SK4, BY_TOKEN, X16,
-        )
-    _stamp(stamp_ptr, 5, STAMP)
+        if SCALAR:  # one token per block, n = 4, a row in one tile, Sinkhorn in registers; not the last layer
+            _finish_token(
+                tb, base_ptr, scale_ptr, w_ptr, new_streams_ptr, new_post_ptr, new_comb_ptr, x_ptr, part_ptr, x16_ptr,
+                hc_eps, rms_eps, norm_eps, post_mult, stamp_ptr, D, ROWS, ITERS, NC, NCB, FIN, SK4 == 2, X16, STAMP,
+            )
+        else:
+            _mhc_finish(
+                tok, tmask, kk,
+                fn_ptr, base_ptr, scale_ptr, w_ptr, new_streams_ptr, new_post_ptr, new_comb_ptr, x_ptr, part_ptr,
+                x16_ptr, hc_eps, rms_eps, norm_eps, post_mult, stamp_ptr,
+                D, N, ROWS, MODE, ITERS, BT, NC, NCB, FIN, SK4, BY_TOKEN, X16, STAMP,
+            )
+    _stamp(stamp_ptr, 7, STAMP)  # END

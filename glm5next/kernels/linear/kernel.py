@@ -371,7 +371,7 @@ def skinny_kernel(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, ws_ptr, cnt_ptr
                      xb_ptr, xb_ptr,
                      (FP8_MASK >> 5) & 1, (F32_MASK >> 5) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
                      F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, X_TMA, False)
-    stamp(stamp_ptr, 5, STAMP)
+    stamp(stamp_ptr, 7, STAMP)  # END
 
 
 def tile_counters(device: torch.device) -> torch.Tensor:
