@@ -98,7 +98,8 @@ def decode_alike(model, lens, executor, steps):
 @pytest.mark.parametrize("choice", STAGES["kda_proj"])
 def test_planned_step_equals_stock_step(tiny_fp32, choice):
     lens = [5, 40, 70]  # the long ones make the indexer drop pools
-    ex = SpecializedDecode(tiny_fp32, policy(kda_proj=choice, dsa_proj=choice), SIZES)
+    dense = "fused-overlap" if choice == "grouped-overlap" else "fused"  # the overlapped forms together
+    ex = SpecializedDecode(tiny_fp32, policy(kda_proj=choice, dsa_proj=choice, dense_mlp=dense), SIZES)
     planned, stock = decode_alike(tiny_fp32, lens, ex, 3)
     for a, b in zip(planned.cache.tensors(), stock.cache.tensors()):
         close(a[:-1], b[:-1])  # every cache write but the padding row's scratch
@@ -118,7 +119,10 @@ def test_planned_step_with_deferred_sinkhorn_equals_stock_step(tiny_fp32, monkey
 
 def test_only_boundaries_before_overlapped_groups_release_late(tiny_fp32, monkeypatch):
     """With "grouped-overlap" for the KDA projections only, the boundary in front of each KDA
-    attention (layer 0's first boundary included) is asked to release late; the others are not."""
+    attention (layer 0's first boundary included) is asked to release late, and with "fused-overlap"
+    for the dense MLP the one in front of each dense layer's MLP (whose gate|up and down then launch as
+    programmatic dependents, the gate|up releasing late); the others are not."""
+    import glm5next.kernels.linear as linear_kernels
     from glm5next.config import KDA
     from glm5next.specialized_decode.boundary import BoundaryStage
 
@@ -133,9 +137,23 @@ def test_only_boundaries_before_overlapped_groups_release_late(tiny_fp32, monkey
         asked[id(hc)] = release_late
         return first(self, embedded, hc, norm, release_late, deferred, x16)
 
+    launches = []
+    gate_up, down = linear_kernels.gate_up_swiglu, linear_kernels.skinny_linear
+
+    def record_gate_up(*a, **k):
+        launches.append(("gate_up", k.get("pdl")))
+        return gate_up(*a, **k)
+
+    def record_down(*a, **k):
+        launches.append(("down", k.get("pdl")))
+        return down(*a, **k)
+
     monkeypatch.setattr(BoundaryStage, "__call__", record_call)
     monkeypatch.setattr(BoundaryStage, "first", record_first)
-    ex = SpecializedDecode(tiny_fp32, policy(kda_proj="grouped-overlap", dsa_proj="grouped"), SIZES)
+    monkeypatch.setattr(linear_kernels, "gate_up_swiglu", record_gate_up)
+    monkeypatch.setattr(linear_kernels, "skinny_linear", record_down)
+    ex = SpecializedDecode(tiny_fp32, policy(kda_proj="grouped-overlap", dsa_proj="grouped",
+                                             dense_mlp="fused-overlap"), SIZES)
     runner, seqs = prefilled(tiny_fp32, [5, 9], ex)
     for i, s in enumerate(seqs):
         s.token_ids.append(4 + i)
@@ -144,7 +162,11 @@ def test_only_boundaries_before_overlapped_groups_release_late(tiny_fp32, monkey
     assert ex.planned_steps == 1
     for layer in tiny_fp32.layers:
         assert asked[id(layer.attn_hc)] == (layer.layer_kind == KDA), layer.layer_idx
-        assert asked[id(layer.ffn_hc)] is False, layer.layer_idx
+        assert asked[id(layer.ffn_hc)] == (not layer.mlp_is_moe), layer.layer_idx
+    dense = sum(not layer.mlp_is_moe for layer in tiny_fp32.layers)
+    moe = len(tiny_fp32.layers) - dense  # shared experts: plain launches
+    assert launches.count(("gate_up", "late")) == dense and launches.count(("gate_up", None)) == moe
+    assert launches.count(("down", True)) == dense and launches.count(("down", None)) >= moe
 
 
 def test_greedy_tokens_identical_over_64_planned_steps(tiny_fp32):
@@ -250,3 +272,51 @@ def test_fp16_copies_leave_planned_bf16_steps_bit_for_bit(tiny_dir, monkeypatch)
         assert torch.equal(a, b)
     for a, b in zip(cache_with, cache_without):
         assert torch.equal(a, b)
+
+
+def test_mlp_case_runs_every_choice_after_its_boundary(tiny_fp32, monkeypatch):
+    """The tuning case of the dense MLP runs each choice (stock included) behind the boundary that feeds
+    it, with the boundaries alone as its `before`; "fused-overlap" behind a boundary that releases late,
+    with its gate|up and down as programmatic dependents; each choice's result is the stock MLP's."""
+    import glm5next.kernels.linear as linear_kernels
+    from glm5next.bench import stages
+    from glm5next.specialized_decode.boundary import BoundaryStage
+    from glm5next.specialized_decode.dense_mlp import DenseMlpStage
+
+    monkeypatch.setattr(stages, "ROTATE_BYTES", 1)  # one copy of each layer
+    case = stages._mlp_case(tiny_fp32, 2, "dense_mlp")
+    assert set(case.runs) == set(STAGES["dense_mlp"]) | {"stock"} and case.before is not None
+    dense = [layer for layer in tiny_fp32.layers if not layer.mlp_is_moe]
+    assert case.calls == len(dense)
+    seen, outs = [], {}
+    stage_call, mlp_call, gate_up = BoundaryStage.__call__, DenseMlpStage.__call__, linear_kernels.gate_up_swiglu
+
+    def record_boundary(self, *a, **k):
+        out = stage_call(self, *a, **k)
+        seen.append((choice, "boundary", len(a) > 6 and a[6]))
+        return out
+
+    def record_mlp(self, x, overlap=False):
+        y = mlp_call(self, x, overlap)
+        outs.setdefault(choice, []).append((x, y))
+        return y
+
+    def record_gate_up(*a, **k):
+        seen.append((choice, "gate_up", k.get("pdl")))
+        return gate_up(*a, **k)
+
+    monkeypatch.setattr(BoundaryStage, "__call__", record_boundary)
+    monkeypatch.setattr(DenseMlpStage, "__call__", record_mlp)
+    monkeypatch.setattr(linear_kernels, "gate_up_swiglu", record_gate_up)
+    for choice, run in case.runs.items():
+        run()
+    assert seen.count(("fused-overlap", "boundary", True)) == len(dense)
+    assert seen.count(("fused-overlap", "gate_up", "late")) == len(dense)
+    assert seen.count(("fused", "boundary", False)) == seen.count(("stock", "boundary", False)) == len(dense)
+    assert seen.count(("fused", "gate_up", None)) == len(dense)
+    for choice in STAGES["dense_mlp"]:
+        for layer, (x, y) in zip(dense, outs[choice]):
+            close(y, layer.mlp(x))
+    choice = "before"
+    case.before()
+    assert seen[-len(dense):] == [("before", "boundary", False)] * len(dense)

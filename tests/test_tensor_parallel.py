@@ -323,9 +323,9 @@ def _planned_ranks(rank: int, size: int, model_dir: str):
     reduced = []
     original = LayerStages.reduced_boundary
 
-    def counting(self, *args):  # sublayer outputs left TP-partial, summed by the boundary
+    def counting(self, *args, **kwargs):  # sublayer outputs left TP-partial, summed by the boundary
         reduced.append(args[2].shape[0])
-        return original(self, *args)
+        return original(self, *args, **kwargs)
 
     LayerStages.reduced_boundary = counting
     logits, planned, log = run_planned(model, EXECUTOR_POLICY)

@@ -123,6 +123,11 @@ class LayerStages:
                 table[id(self.layers_by_idx[idx].mlp.shared_experts)] = stage
         return table
 
+    def mlp_release_late(self, layer, tokens: int) -> bool:
+        """Whether the boundary before `layer`'s MLP releases the next launch only after its partial
+        products: the dense MLP stage runs "fused-overlap" at this token count."""
+        return layer.layer_idx in self.dense and self.policy("dense_mlp", tokens) == "fused-overlap"
+
     def reads_x16(self, layer, sublayer: str, tokens: int) -> bool:
         """Whether `layer`'s "attention" or "mlp" sublayer runs a stage at this token count whose first
         launch reads an fp16 copy of its input (then the boundary before it writes one)."""
@@ -150,9 +155,10 @@ class LayerStages:
     def mlp(self, layer, x: torch.Tensor, step: Step) -> tuple[torch.Tensor, bool]:
         """The FFN output and whether it is still TP-partial."""
         dense = self.dense.get(layer.layer_idx)
-        if dense is not None and self.policy("dense_mlp", x.shape[0]):
+        choice = self.policy("dense_mlp", x.shape[0]) if dense is not None else None
+        if choice:
             partial = self.partial(x.shape[0])
-            out = dense(x)  # this rank's share of the row-parallel down projection
+            out = dense(x, overlap=choice == "fused-overlap")  # this rank's share of the row-parallel down
             return (out if partial else all_reduce(out, self.backbone.tp)), partial
         if self.partial(x.shape[0]):
             with partial_outputs():
@@ -305,7 +311,7 @@ class SpecializedDecode(LayerStages):
         x, partial = self.attention(layer, x, step)
         bound = self.reduced_boundary if partial else self.boundary
         streams, post, comb, x = bound(layer.ffn_hc, layer.post_attention_layernorm, x, streams, post, comb,
-                                       x16=self.reads_x16(layer, "mlp", tokens))
+                                       self.mlp_release_late(layer, tokens), self.reads_x16(layer, "mlp", tokens))
         x, partial = self.mlp(layer, x, step)
         if layer is self.layers[-1]:
             if partial:  # the last layer reduces before contracting

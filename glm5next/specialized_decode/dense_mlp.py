@@ -1,5 +1,10 @@
 """The dense MLP stage (layers 0-2, and the shared expert of MoE layers): gate and up streamed
-together with the clamped SwiGLU in one kernel, then the down projection."""
+together with the clamped SwiGLU in one kernel, then the down projection.
+
+Choices: "fused"; "fused-overlap" (dense layers), the same with both launches programmatic
+dependents: the gate|up pulls its leading weight tiles into L2 while the boundary before it (which
+then releases it only after its partial products) finishes, and lets the down start only once its
+own products are done; the down prefetches its weights while the gate|up's last programs finish."""
 
 from __future__ import annotations
 
@@ -31,7 +36,8 @@ class DenseMlpStage:
 
         return reads_x16(tokens, [self.mlp.gate_proj.weight], dtype, gated=True)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, overlap: bool = False) -> torch.Tensor:
+        """The MLP of `x` (`overlap`: the "fused-overlap" launches)."""
         from ..kernels.linear import gate_up_swiglu, reads_x16, skinny_linear
 
         m = self.mlp
@@ -40,5 +46,7 @@ class DenseMlpStage:
         if self.copies is not None and reads_x16(x.shape[0], [m.down_proj.weight], x.dtype):
             h16 = torch.empty(x.shape[0], m.down_proj.weight.shape[1], dtype=torch.float16, device=x.device)
         h = gate_up_swiglu(x, m.gate_proj.weight, m.gate_proj.weight_scale_inv, m.up_proj.weight,
-                           m.up_proj.weight_scale_inv, m.swiglu_limit, x16=x16, out16=h16)
-        return skinny_linear(h, m.down_proj.weight, m.down_proj.weight_scale_inv, x16=h16)
+                           m.up_proj.weight_scale_inv, m.swiglu_limit, x16=x16, out16=h16,
+                           pdl="late" if overlap else None)
+        return skinny_linear(h, m.down_proj.weight, m.down_proj.weight_scale_inv, x16=h16,
+                             pdl=True if overlap else None)

@@ -28,7 +28,7 @@ STAGES: dict[str, tuple[str, ...]] = {
     "boundary": ("fused", "fused-deferred"),
     "kda_proj": ("grouped", "grouped-early", "grouped-overlap", "single"),
     "dsa_proj": ("grouped", "grouped-early", "grouped-overlap", "single"),
-    "dense_mlp": ("fused",),
+    "dense_mlp": ("fused", "fused-overlap"),
     "shared_expert": ("fused",),
     "logits_head": ("gemv", "splitk"),
 }
