@@ -69,6 +69,11 @@ def test_dense_and_shared_expert_stages_equal_stock(tiny_fp32):
     assert sorted(ex.dense) == [0, 1, 2] and sorted(ex.shared) == [3, 4, 5, 6, 7]
     close(ex.dense[1](x), tiny_fp32.layers[1].mlp(x))
     close(ex.shared[5](x), tiny_fp32.layers[5].mlp.shared_experts(x))
+    # "fused-overlap" routes the shared expert's call to the stage with its launches overlapped.
+    shared = tiny_fp32.layers[5].mlp.shared_experts
+    route = SpecializedDecode(tiny_fp32, policy(shared_expert="fused-overlap"), SIZES).routes(4)[id(shared)]
+    assert route.keywords == {"overlap": True}
+    close(route(x), shared(x))
 
 
 def prefilled(model, lens, executor=None):
@@ -98,8 +103,9 @@ def decode_alike(model, lens, executor, steps):
 @pytest.mark.parametrize("choice", STAGES["kda_proj"])
 def test_planned_step_equals_stock_step(tiny_fp32, choice):
     lens = [5, 40, 70]  # the long ones make the indexer drop pools
-    dense = "fused-overlap" if choice == "grouped-overlap" else "fused"  # the overlapped forms together
-    ex = SpecializedDecode(tiny_fp32, policy(kda_proj=choice, dsa_proj=choice, dense_mlp=dense), SIZES)
+    mlp = "fused-overlap" if choice == "grouped-overlap" else "fused"  # the overlapped forms together
+    ex = SpecializedDecode(tiny_fp32, policy(kda_proj=choice, dsa_proj=choice, dense_mlp=mlp, shared_expert=mlp),
+                           SIZES)
     planned, stock = decode_alike(tiny_fp32, lens, ex, 3)
     for a, b in zip(planned.cache.tensors(), stock.cache.tensors()):
         close(a[:-1], b[:-1])  # every cache write but the padding row's scratch
@@ -164,7 +170,7 @@ def test_only_boundaries_before_overlapped_groups_release_late(tiny_fp32, monkey
         assert asked[id(layer.attn_hc)] == (layer.layer_kind == KDA), layer.layer_idx
         assert asked[id(layer.ffn_hc)] == (not layer.mlp_is_moe), layer.layer_idx
     dense = sum(not layer.mlp_is_moe for layer in tiny_fp32.layers)
-    moe = len(tiny_fp32.layers) - dense  # shared experts: plain launches
+    moe = len(tiny_fp32.layers) - dense  # shared experts: plain launches ("fused" in this policy)
     assert launches.count(("gate_up", "late")) == dense and launches.count(("gate_up", None)) == moe
     assert launches.count(("down", True)) == dense and launches.count(("down", None)) >= moe
 

@@ -7,9 +7,9 @@ time of one call is the replay time over the calls captured in it; where a step 
 ahead of every call that a choice may overlap (the boundary before a sublayer's projections), the
 case runs that too and subtracts its time alone. Where a stage reads an fp16 copy of its input
 (`glm5next.specialized_decode.copies`), the case gives it one as the step would: the boundary before
-the projections or the dense MLP writes it, the shared expert's case makes it before capturing. `glm5next tune-policy` picks
-the fastest choice per stage and token count from these cases; `glm5next bench --mode specialized`
-reports them beside the bytes each call reads.
+the projections or the dense MLP writes it, the shared expert's case makes it before capturing.
+`glm5next tune-policy` picks the fastest choice per stage and token count from these cases;
+`glm5next bench --mode specialized` reports them beside the bytes each call reads.
 """
 
 from __future__ import annotations
@@ -198,18 +198,19 @@ def _mlp_case(model, m: int, stage: str) -> Case:
         insts.append((mlp, st, x, x.to(torch.float16) if st.reads_x16(m, dt) else None))
     insts = insts * _copies(per * len(mlps))
 
-    def fused():
+    def fused(overlap=False):
         for _, st, x, x16 in insts:
             if x16 is not None:
                 copies.put(x, x16)
-            st(x)
+            st(x, overlap=overlap)
         copies.clear()
 
     def stock():
         for mlp, _, x, _ in insts:
             mlp(x)
 
-    return Case(stage, m, per, {"fused": fused, STOCK: stock}, len(insts))
+    runs = {"fused": fused, "fused-overlap": lambda: fused(True), STOCK: stock}
+    return Case(stage, m, per, {c: runs[c] for c in STAGES[stage] + (STOCK,)}, len(insts))
 
 
 def logits_case(model, m: int) -> Case:

@@ -18,6 +18,7 @@ the stock modules all-reduce their own outputs. The head stage's vocab shards ar
 
 from __future__ import annotations
 
+import functools
 import logging
 from contextlib import contextmanager
 
@@ -118,9 +119,11 @@ class LayerStages:
     def routes(self, tokens: int) -> dict:
         """The stock-module calls this step sends to stages: projections and shared experts."""
         table = self.projections.table(tokens)
-        if self.policy("shared_expert", tokens):
+        choice = self.policy("shared_expert", tokens)
+        if choice:
             for idx, stage in self.shared.items():
-                table[id(self.layers_by_idx[idx].mlp.shared_experts)] = stage
+                table[id(self.layers_by_idx[idx].mlp.shared_experts)] = (
+                    functools.partial(stage, overlap=True) if choice == "fused-overlap" else stage)
         return table
 
     def mlp_release_late(self, layer, tokens: int) -> bool:

@@ -1,10 +1,11 @@
 """The dense MLP stage (layers 0-2, and the shared expert of MoE layers): gate and up streamed
 together with the clamped SwiGLU in one kernel, then the down projection.
 
-Choices: "fused"; "fused-overlap" (dense layers), the same with both launches programmatic
-dependents: the gate|up pulls its leading weight tiles into L2 while the boundary before it (which
-then releases it only after its partial products) finishes, and lets the down start only once its
-own products are done; the down prefetches its weights while the gate|up's last programs finish."""
+Choices: "fused"; "fused-overlap", the same with both launches programmatic dependents: the gate|up
+lets the down start only once its own products are done, and the down prefetches its weights while
+the gate|up's last programs finish; in a dense layer the gate|up also pulls its leading weight tiles
+into L2 while the boundary before it (which then releases it only after its partial products)
+finishes. (The shared expert follows the stock routed experts, which release nothing early.)"""
 
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ STAGES: dict[str, tuple[str, ...]] = {
     "kda_proj": ("grouped", "grouped-early", "grouped-overlap", "single"),
     "dsa_proj": ("grouped", "grouped-early", "grouped-overlap", "single"),
     "dense_mlp": ("fused", "fused-overlap"),
-    "shared_expert": ("fused",),
+    "shared_expert": ("fused", "fused-overlap"),
     "logits_head": ("gemv", "splitk"),
 }
 """Every implemented stage and its choices (besides stock)."""
