@@ -394,9 +394,9 @@ def test_boundary_sweep_times_deferral_when_asked(monkeypatch):
     assert set(seen) == {(32, False, False)}
 
 
-def test_linear_sweep_hands_the_x16_variants_an_fp16_copy(monkeypatch):
-    """"x16" / "tma-x16": the entry point gets x in fp16 (made once per row count, outside the timed
-    calls); the other variants get their keywords unchanged; BF16 cases skip the x16 variants."""
+def test_linear_sweep_hands_the_x16_variant_an_fp16_copy(monkeypatch):
+    """"x16": the entry point gets x in fp16 (made once per row count, outside the timed calls); the
+    other variants get their keywords unchanged; BF16 cases skip the x16 variant."""
     import glm5next.bench.sweep as sweep
 
     seen = []
@@ -404,14 +404,14 @@ def test_linear_sweep_hands_the_x16_variants_an_fp16_copy(monkeypatch):
     monkeypatch.setattr(sweep, "ROTATE_BYTES", 1)  # one copy of each case's weights
     monkeypatch.setattr(sweep, "shape_weights", lambda name, device: ([(None, None)], None))
     monkeypatch.setattr(sweep, "project", lambda x, ws, ups, **kw: seen.append((x, kw)))
-    rows = sweep.sweep_linear("cpu", [3], 1e12, 1, variants=["heuristic", "x16", "tma-x16"],
+    rows = sweep.sweep_linear("cpu", [3], 1e12, 1, variants=["heuristic", "x16", "tma"],
                               cases=["dsa_o_proj", "kda_o_proj"])
     assert [(r["case"], r["variant"]) for r in rows] == [
-        ("kda_o_proj", "heuristic"), ("dsa_o_proj", "heuristic"), ("dsa_o_proj", "x16"), ("dsa_o_proj", "tma-x16")]
-    (x0, kw0), _, (x1, kw1), (x2, kw2) = seen
-    assert kw0 == {} and set(kw1) == {"x16"} and kw2["mode"] == "tma-x"
+        ("kda_o_proj", "heuristic"), ("kda_o_proj", "tma"), ("dsa_o_proj", "heuristic"), ("dsa_o_proj", "tma"),
+        ("dsa_o_proj", "x16")]
+    (x0, kw0), (_, kw_t), _, (_, kw2), (x1, kw1) = seen
+    assert kw0 == {} and kw_t == {"mode": "tma"} and kw2 == {"mode": "tma"} and set(kw1) == {"x16"}
     assert kw1["x16"].dtype == torch.float16 and torch.equal(kw1["x16"], x1.to(torch.float16))
-    assert kw1["x16"] is kw2["x16"]
 
 
 def test_boundary_sweep_times_contraction_when_asked(monkeypatch):

@@ -50,9 +50,7 @@ VARIANTS = {
     "tma-split-2x": dict(mode="tma", split_factor=2),
     "tma-split-half": dict(mode="tma", split_factor=0.5),
     "tma-bf16": dict(mode="tma", half=False),
-    "tma-x": dict(mode="tma-x"),
     "x16": dict(x16=True),
-    "tma-x16": dict(mode="tma-x", x16=True),
     "pdl": dict(pdl=True),
     "pdl-split-half": dict(pdl=True, split_factor=0.5),
     "pdl-split-2x": dict(pdl=True, split_factor=2),
@@ -72,8 +70,8 @@ VARIANTS = {
 weights at up to 16 rows, their tiles through tensor descriptors), "dot" the same with pointer loads
 (and the full split for gated calls), "fp16"/"bf16" force the product type at every row count (FP8
 weights only: skipped for BF16 cases), "swap*" multiply W @ x.T (the weight tile as the left, register
-operand), "tma*" load FP8 weight tiles through tensor descriptors ("tma-x*" the activation tiles too),
-"x16" / "tma-x16" give the products an fp16 copy of x made beforehand (FP8 cases only; what a producer
+operand), "tma*" load FP8 weight tiles through tensor descriptors,
+"x16" gives the products an fp16 copy of x made beforehand (FP8 cases only; what a producer
 writing it beside x would save each program), "pdl*" launch as programmatic
 dependents (the weight prefetch capped by `SETTINGS`; "pdl-late" releases the next launch only after
 the products), "bn*" narrower output tiles (more programs on small matrices), "split-N" exactly N K

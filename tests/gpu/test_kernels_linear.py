@@ -117,7 +117,7 @@ def test_every_candidate_matches_reference(weights, name, candidate):
             assert rel_err(y, ref) <= 2e-2, (name, candidate, m)
 
 
-@pytest.mark.parametrize("mode", [None, "tma-x"])
+@pytest.mark.parametrize("mode", [None, "tma"])
 @pytest.mark.parametrize("name", ["dense_gate_up", "dense_down", "shared_gate_up"])
 def test_an_fp16_copy_of_x_matches(weights, name, mode):
     """`x16` (x in fp16 beforehand) where the products are fp16: the reference's result, and the launch

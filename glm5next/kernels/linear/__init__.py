@@ -12,7 +12,7 @@ FP8 e4m3 `[N, K]` with fp32 128x128 block scales) and are never copied or concat
 
 Launch parameters come from `plan_launch`, a deterministic function of the shapes, dtypes
 and device (no autotuning: the kernels are captured in CUDA graphs). Callers may override
-`split_k`, `block_n`, `mode` ("dot", "swap", "tma", "tma-x" or "gemv") and `split_factor`; `CANDIDATES` names the
+`split_k`, `block_n`, `mode` ("dot", "swap", "tma" or "gemv") and `split_factor`; `CANDIDATES` names the
 variants worth timing per call site.
 Every entry point is CUDA-graph safe after one eager call (which compiles the kernel and
 creates the split-K tile counters): no host syncs and only static-shape allocations.
@@ -49,7 +49,6 @@ CANDIDATES: dict[str, dict] = {
     "swap": dict(mode="swap"),
     "swap-block-n-128": dict(mode="swap", block_n=128),
     "tma": dict(mode="tma"),
-    "tma-x": dict(mode="tma-x"),
     "pdl": dict(pdl=True),
     "pdl-late": dict(pdl="late"),
     "warps-8": dict(num_warps=8),
@@ -58,8 +57,7 @@ CANDIDATES: dict[str, dict] = {
 scales the heuristic's split (rounded, at least 1); "gemv" (no tensor cores) applies to calls of at most 8 rows only;
 `block_k` 256 streams two FP8 scale blocks per step; "fp16-products" / "bf16-products" multiply FP8 weights in
 fp16 / bf16 whatever the row count (see `LaunchPlan.half`); "swap" multiplies W @ x.T (see `LaunchPlan.swap`);
-"tma" loads FP8 weight tiles through tensor descriptors (see `LaunchPlan.tma`; other weights as "dot"), "tma-x"
-the activation tiles as well, with the heuristic's split otherwise (see `LaunchPlan.x_tma`); "pdl"
+"tma" loads FP8 weight tiles through tensor descriptors (see `LaunchPlan.tma`; other weights as "dot"); "pdl"
 launches as a programmatic dependent that prefetches its weights into L2 (see `LaunchPlan.pdl`), "pdl-late" the
 same letting the next kernel start only once its products are done (`LaunchPlan.pdl_late`); "warps-8" runs
 8 warps per program."""
@@ -94,14 +92,15 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
     weights at up to 16 rows) as fit about 100 KB of shared memory, so two or more programs share an
     SM. FP8 weights meet 16-bit activations in fp16 products at BLOCK_M 16 (up to 16 rows; `half`
     None), where the H200 sweep measured them 1.3x faster than bf16 products, and at BLOCK_M 32 for
-    weights of at least 32 Mi elements (gate and up counted both); at 64 rows they were slower. Where
+    weights of at least 24 Mi elements (gate and up counted both); at 64 rows they were slower. Where
     all weights are FP8 and the products fp16 (mode None), the weight tiles come through tensor
     descriptors ("tma") and a gated call takes half the split: the H200 sweep of 2026-12-04 measured
     the dense gate|up at 1-16 rows 37 -> 33 us, the other shapes equal or up to 4 % faster.
     CPU: the same rules with BLOCK_K 64, 4 "SMs" and 1 K step per split. `pdl` (None: the module's
     `PDL`) asks for a programmatic dependent launch where the device has one (`LaunchPlan.pdl`);
-    "late" does so with the next kernel released only after the products (`LaunchPlan.pdl_late`). `num_warps` (4 or 8) overrides the
-    warps per program (default 4, 8 for gated calls at 64 rows); `num_stages` (2-5) the pipeline stages.
+    "late" does so with the next kernel released only after the products (`LaunchPlan.pdl_late`).
+    `num_warps` (4 or 8) overrides the warps per program (default 4, 8 for gated calls at 64 rows);
+    `num_stages` (2-5) the pipeline stages.
     """
     gpu = device_type != "cpu"
     if pdl not in (None, False, True, "late"):
@@ -110,8 +109,8 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
         raise ValueError(f"num_warps must be 4 or 8, got {num_warps}")
     if num_stages not in (None, 2, 3, 4, 5):
         raise ValueError(f"num_stages must be 2 to 5, got {num_stages}")
-    if mode not in (None, "dot", "gemv", "swap", "tma", "tma-x"):
-        raise ValueError(f"mode must be 'dot', 'swap', 'tma', 'tma-x' or 'gemv', got {mode!r}")
+    if mode not in (None, "dot", "gemv", "swap", "tma"):
+        raise ValueError(f"mode must be 'dot', 'swap', 'tma' or 'gemv', got {mode!r}")
     use_dot = mode != "gemv"
     if not use_dot and M > 8:
         raise ValueError(f"the gemv variant takes at most 8 rows, got {M}")
@@ -137,8 +136,8 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
         # 4-10 % faster, the smaller ones even or slower).
         half = weight_bytes == 1 and (bm == 16 or (bm == 32 and K * sum(ns) * (2 if gated else 1) >= 24 << 20))
     half = bool(half) and use_dot and x_bytes == 2
-    tma = (mode in ("tma", "tma-x") or (mode is None and half)) and all_fp8 and x_bytes == 2 and bk <= 128
-    if mode in (None, "tma-x") and tma and gated:
+    tma = (mode == "tma" or (mode is None and half)) and all_fp8 and x_bytes == 2 and bk <= 128
+    if mode is None and tma and gated:
         split_factor = split_factor * 0.5
     k_iters = triton.cdiv(K, bk)
     fp8_skinny = gpu and weight_bytes == 1 and bm == 16  # FP8 weights at up to 16 rows: their own split and stages
@@ -173,8 +172,7 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
     warps = num_warps or (8 if (bm >= 64 and gated) else 4)
     return LaunchPlan(bm, bn, bk, split, use_dot, num_warps=warps, num_stages=stages,
                       f32_sub_k=(32 if bm <= 16 else 16) if gpu else bk, swap=mode == "swap",
-                      tma=tma, half=half, pdl=PDL if pdl is None else bool(pdl), pdl_late=pdl == "late",
-                      x_tma=tma and mode == "tma-x")
+                      tma=tma, half=half, pdl=PDL if pdl is None else bool(pdl), pdl_late=pdl == "late")
 
 
 def reads_x16(M: int, weights: list[torch.Tensor], x_dtype: torch.dtype, gated: bool = False) -> bool:

@@ -72,10 +72,6 @@ class LaunchPlan:
     """Launch as a programmatic dependent (`glm5next.kernels.pdl`): the programs start while the
     previous kernel finishes and first pull the leading K steps of their weight tiles into L2 (as
     many as keep a launch's prefetch within `PREFETCH_BYTES`), then wait for it."""
-    x_tma: bool = False
-    """With `tma`, the activation tiles too come through a tensor descriptor (rows past M and columns
-    past K arrive as zeros): no per-element addresses or masks, and no register-to-shared copy of them
-    per K step. Where x's rows are not 16-byte aligned, per-thread loads as before."""
     pdl_late: bool = False
     """With `pdl`, release the next kernel only once a program's products are done (before its split-K
     epilogue) instead of at its start, so the next launch's programs do not take SM slots and L2 while
@@ -140,16 +136,12 @@ def _weight_tile(w_ptr, w_offs, w_ok, n0, k0, SWAP: tl.constexpr, TMA: tl.conste
 @triton.jit
 def _chunk(x_ptrs, w_ptr, w2_ptr, w_offs, kk, row_ok, col_ok, K, n0, k0, s_ptr, s2_ptr, s_row, F32: tl.constexpr,
            TWO: tl.constexpr, USE_DOT: tl.constexpr, IS_FP8: tl.constexpr, HALF: tl.constexpr,
-           SWAP: tl.constexpr, TMA: tl.constexpr, X_TMA: tl.constexpr):
+           SWAP: tl.constexpr, TMA: tl.constexpr):
     """The products of the K chunk starting at k0 with W (and W2 when TWO; else W again, unused),
     each times its 128x128 block scale when IS_FP8 (a chunk never spans two scale blocks). With TMA
-    w_ptr and w2_ptr are tensor descriptors of [BLOCK_N, SUB] blocks, with X_TMA x_ptrs one of x's
-    [BLOCK_M, SUB] blocks."""
+    w_ptr and w2_ptr are tensor descriptors of [BLOCK_N, SUB] blocks."""
     k_ok = (k0 + kk) < K
-    if X_TMA:
-        xt = x_ptrs.load([0, k0])
-    else:
-        xt = tl.load(x_ptrs + k0, mask=row_ok & k_ok[None, :], other=0.0)
+    xt = tl.load(x_ptrs + k0, mask=row_ok & k_ok[None, :], other=0.0)
     if HALF and IS_FP8:
         xt = xt.to(tl.float16)  # the weights then widen to fp16 in _mma (F32 is then false)
     if SWAP:
@@ -174,7 +166,7 @@ def _chunk(x_ptrs, w_ptr, w2_ptr, w_offs, kk, row_ok, col_ok, K, n0, k0, s_ptr, 
 def _accumulate(x_ptr, stride_xm, M, K, w_ptr, s_ptr, w2_ptr, s2_ptr, s_stride, n0, N, it0, n_it,
                 IS_FP8: tl.constexpr, F32: tl.constexpr, TWO: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, F32_SUB: tl.constexpr,
-                HALF: tl.constexpr, SWAP: tl.constexpr, TMA: tl.constexpr, X_TMA: tl.constexpr):
+                HALF: tl.constexpr, SWAP: tl.constexpr, TMA: tl.constexpr):
     """x[:, K range] @ W[n0:n0+BLOCK_N, K range].T (and the same with W2 when TWO), in fp32 (accumulated
     transposed with SWAP, returned [BLOCK_M, BLOCK_N] either way)."""
     # fp32 products (tf32x3) hold 3 operand copies in registers: feed them F32_SUB K at a time;
@@ -186,10 +178,7 @@ def _accumulate(x_ptr, stride_xm, M, K, w_ptr, s_ptr, w2_ptr, s2_ptr, s_stride, 
     rows = tl.arange(0, BLOCK_M)
     cols = n0 + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, SUB)
-    if X_TMA:
-        x_ptrs = x_ptr  # a descriptor of [BLOCK_M, SUB] blocks
-    else:
-        x_ptrs = x_ptr + rows[:, None] * stride_xm + kk[None, :]
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + kk[None, :]
     row_ok = rows[:, None] < M
     if SWAP:
         w_offs = cols[:, None] * K + kk[None, :]  # [BLOCK_N, SUB] tile of the row-major W[n, k]
@@ -206,7 +195,7 @@ def _accumulate(x_ptr, stride_xm, M, K, w_ptr, s_ptr, w2_ptr, s2_ptr, s_stride, 
         k0 = (it0 + i) * BLOCK_K
         for c in tl.static_range(0, BLOCK_K, SUB):
             part, part2 = _chunk(x_ptrs, w_ptr, w2_ptr, w_offs, kk, row_ok, col_ok, K, n0, k0 + c, s_ptr, s2_ptr,
-                                 s_row, PROD32, TWO, USE_DOT, IS_FP8, HALF, SWAP, TMA, X_TMA)
+                                 s_row, PROD32, TWO, USE_DOT, IS_FP8, HALF, SWAP, TMA)
             acc += part
             if TWO:
                 acc2 += part2
@@ -242,7 +231,7 @@ def _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, local, pid_k, 
              stamp_ptr, xb_ptr, o16_ptr, IS_FP8: tl.constexpr, F32: tl.constexpr, TWO: tl.constexpr,
              SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
              USE_DOT: tl.constexpr, F32_SUB: tl.constexpr, HALF: tl.constexpr, SWAP: tl.constexpr, TMA: tl.constexpr,
-             PDL: tl.constexpr, PDL_LATE: tl.constexpr, STAMP: tl.constexpr, X_TMA: tl.constexpr, O16: tl.constexpr):
+             PDL: tl.constexpr, PDL_LATE: tl.constexpr, STAMP: tl.constexpr, O16: tl.constexpr):
     """One program's share of one projection: tile `local` of it, K split `pid_k`. With PDL it first lets
     the next kernel start (with PDL_LATE only after its products), prefetches its weight tiles' first
     pf_iters K steps (from the plain pointers r_ptr / r2_ptr) and waits for the previous kernel."""
@@ -260,7 +249,7 @@ def _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, local, pid_k, 
     it0 = pid_k * ITERS
     n_it = tl.minimum(ITERS, K_ITERS - it0)
     acc, acc2 = _accumulate(x_ptr, stride_xm, M, K, w_ptr, s_ptr, w2_ptr, s2_ptr, s_stride, n0, N, it0,
-                            n_it, IS_FP8, F32, TWO, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, HALF, SWAP, TMA, X_TMA)
+                            n_it, IS_FP8, F32, TWO, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, HALF, SWAP, TMA)
     if HALF and IS_FP8:
         # An activation beyond fp16's range (|x| >= 65504) makes this program's products non-finite
         # (inf, or NaN against a zero weight): it then redoes its share in bf16 products (fp32 in the
@@ -271,7 +260,7 @@ def _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, local, pid_k, 
         if tl.min(ok.to(tl.int32)) == 0:
             acc, acc2 = _accumulate(xb_ptr, stride_xm, M, K, w_ptr, s_ptr, w2_ptr, s2_ptr, s_stride, n0, N, it0,
                                     n_it, IS_FP8, F32, TWO, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, False,
-                                    SWAP, TMA, False)
+                                    SWAP, TMA)
     if PDL and PDL_LATE:
         launch_dependents()
     if not SPLIT:
@@ -318,13 +307,12 @@ def skinny_kernel(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, ws_ptr, cnt_ptr
                   SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   USE_DOT: tl.constexpr, F32_SUB: tl.constexpr, HALF: tl.constexpr, SWAP: tl.constexpr,
                   TMA: tl.constexpr, PDL: tl.constexpr, PDL_LATE: tl.constexpr, STAMP: tl.constexpr = False,
-                  X_TMA: tl.constexpr = False, O16: tl.constexpr = False):
+                  O16: tl.constexpr = False):
     """Grid (num_tiles, split). Projection p owns tiles [T_p, T_{p+1}) (T_0 = 0, T_NUM = num_tiles);
     bit p of FP8_MASK / F32_MASK says whether its weight is FP8 / whether it multiplies in fp32.
     With TWO (one projection only) projection 0 is the gate and up_w/up_s the up weight. With TMA every
-    weight (w_p, up_w) is a tensor descriptor, with X_TMA x_ptr too. x_ptr holds the activations the
-    products take (with HALF possibly an fp16 copy of them), xb_ptr (a plain pointer, same strides)
-    the activations as given, for the bf16 redo of a program whose fp16 products overflow. r_p / up_r
+    weight (w_p, up_w) is a tensor descriptor. x_ptr holds the activations the products take (with HALF
+    possibly an fp16 copy of them), xb_ptr (same strides) the activations as given, for the bf16 redo of a program whose fp16 products overflow. r_p / up_r
     are the weights' plain pointers, for the L2 prefetch of a programmatic-dependent launch (PDL).
     With STAMP each program writes its timestamps to stamp_ptr (`glm5next.kernels.stamps`); with O16
     (one projection only) projection 0's output goes in fp16 to o16_ptr as well."""
@@ -335,42 +323,42 @@ def skinny_kernel(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, ws_ptr, cnt_ptr
         _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile, pid_k, ws_ptr, cnt_ptr, num_tiles,
                  limit, s_stride, w0, s0, up_w, up_s, o0, so0, N0, r0, up_r, pf_iters, stamp_ptr, xb_ptr, o16_ptr,
                  FP8_MASK & 1, F32_MASK & 1, TWO, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, HALF, SWAP, TMA,
-                 PDL, PDL_LATE, STAMP, X_TMA, O16)
+                 PDL, PDL_LATE, STAMP, O16)
     if NUM > 1:
         if (tile >= T1) & (tile < T2):
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T1, pid_k, ws_ptr, cnt_ptr,
                      num_tiles, limit, s_stride, w1, s1, w1, s1, o1, so1, N1, r1, r1, pf_iters, stamp_ptr,
                      xb_ptr, xb_ptr,
                      (FP8_MASK >> 1) & 1, (F32_MASK >> 1) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
-                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, X_TMA, False)
+                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, False)
     if NUM > 2:
         if (tile >= T2) & (tile < T3):
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T2, pid_k, ws_ptr, cnt_ptr,
                      num_tiles, limit, s_stride, w2, s2, w2, s2, o2, so2, N2, r2, r2, pf_iters, stamp_ptr,
                      xb_ptr, xb_ptr,
                      (FP8_MASK >> 2) & 1, (F32_MASK >> 2) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
-                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, X_TMA, False)
+                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, False)
     if NUM > 3:
         if (tile >= T3) & (tile < T4):
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T3, pid_k, ws_ptr, cnt_ptr,
                      num_tiles, limit, s_stride, w3, s3, w3, s3, o3, so3, N3, r3, r3, pf_iters, stamp_ptr,
                      xb_ptr, xb_ptr,
                      (FP8_MASK >> 3) & 1, (F32_MASK >> 3) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
-                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, X_TMA, False)
+                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, False)
     if NUM > 4:
         if (tile >= T4) & (tile < T5):
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T4, pid_k, ws_ptr, cnt_ptr,
                      num_tiles, limit, s_stride, w4, s4, w4, s4, o4, so4, N4, r4, r4, pf_iters, stamp_ptr,
                      xb_ptr, xb_ptr,
                      (FP8_MASK >> 4) & 1, (F32_MASK >> 4) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
-                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, X_TMA, False)
+                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, False)
     if NUM > 5:
         if tile >= T5:
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T5, pid_k, ws_ptr, cnt_ptr,
                      num_tiles, limit, s_stride, w5, s5, w5, s5, o5, so5, N5, r5, r5, pf_iters, stamp_ptr,
                      xb_ptr, xb_ptr,
                      (FP8_MASK >> 5) & 1, (F32_MASK >> 5) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
-                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, X_TMA, False)
+                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, False)
     stamp(stamp_ptr, 7, STAMP)  # END
 
 
@@ -391,12 +379,6 @@ def _aligned16(weights: list[torch.Tensor]) -> bool:
     as tensor descriptors (`tma`; the plan already holds every weight FP8, the activations 16-bit,
     BLOCK_K <= 128) and the bulk L2 prefetch of `pdl` (whole 16-byte pieces) need."""
     return all(w.shape[1] * w.element_size() % 16 == 0 and w.data_ptr() % 16 == 0 for w in weights)
-
-
-def _rows_aligned16(x: torch.Tensor) -> bool:
-    """Whether x's base and row stride are 16-byte aligned (along K it has unit stride), as a tensor
-    descriptor of its tiles (`x_tma`) needs."""
-    return x.data_ptr() % 16 == 0 and x.stride(0) * x.element_size() % 16 == 0 and x.stride(1) == 1
 
 
 def _prefetch_iters(weights: list[torch.Tensor], iters: int) -> int:
@@ -443,7 +425,6 @@ def launch(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tens
 
     every_fp8 = all(s is not None for s in scales) and (up is None or up[1] is not None)
     xa = x16 if x16 is not None and plan.half and every_fp8 else x  # the activations the products take
-    x_tma = tma and plan.x_tma and _rows_aligned16(xa)
 
     fp8_mask = f32_mask = 0
     s_stride = 1
@@ -468,12 +449,11 @@ def launch(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tens
     stamps = STAMPS
     stamped = _stamps.check(stamps, total * split, x.device)
     skinny_kernel[(total, split)](
-        TensorDescriptor.from_tensor(xa, [bm, bk]) if x_tma else xa, x.stride(0), M, K, k_iters, iters, split, ws,
-        cnt, total, float(limit), s_stride, up_w, up_s, *per_proj,
+        xa, x.stride(0), M, K, k_iters, iters, split, ws, cnt, total, float(limit), s_stride, up_w, up_s, *per_proj,
         pf_iters, *raw, stamps if stamped else ws, x, x if out16 is None else out16,
         NUM=len(weights), FP8_MASK=fp8_mask, F32_MASK=f32_mask, TWO=up is not None, SPLIT=split > 1,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_DOT=plan.use_dot, F32_SUB=min(plan.f32_sub_k, bk), HALF=plan.half,
-        SWAP=plan.swap, TMA=tma, PDL=pdl, PDL_LATE=pdl and plan.pdl_late, STAMP=stamped, X_TMA=x_tma,
+        SWAP=plan.swap, TMA=tma, PDL=pdl, PDL_LATE=pdl and plan.pdl_late, STAMP=stamped,
         O16=out16 is not None,
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
