@@ -32,7 +32,7 @@ from ..kernels import boundary as _boundary
 from ..kernels import stamps as _stamps
 from ..kernels.boundary import mhc_boundary
 from ..kernels.linear import kernel as _linear_kernel
-from ..kernels.linear import skinny_linear_multi
+from ..kernels.linear import reads_x16, skinny_linear_multi
 from .floor import capture, time_replays
 from .sweep import BOUNDARY_KW, SHAPES, boundary_mixer, boundary_state, shape_weights
 
@@ -112,15 +112,18 @@ def run(device, T: int, mode: str, case: str, layers: int, replays: int) -> dict
     mixers = [boundary_mixer(device) for _ in range(layers)]
     groups = [shape_weights(case, device)[0] for _ in range(layers)]
     y = [[torch.empty(T, w.shape[0], device=device, dtype=torch.bfloat16) for w, _ in g] for g in groups]
+    # The boundary writes the fp16 copy of x that the group then reads, where the executor has it do so.
+    x16 = torch.empty(T, D, device=device, dtype=torch.float16) if reads_x16(
+        T, [w for w, _ in groups[0]], torch.bfloat16) else None
     bufs = [(_stamps.buffer(ROWS, device), _stamps.buffer(ROWS, device)) for _ in range(layers)]
 
     def step(stamped: bool):
         for i in range(layers):
             _boundary.STAMPS = bufs[i][0] if stamped else None
             mhc_boundary(*state, *mixers[i], **BOUNDARY_KW, sinkhorn_iters=20, new_streams=outs[0],
-                         new_post=outs[1], new_comb=outs[2], x=outs[3], pdl=b_pdl)
+                         new_post=outs[1], new_comb=outs[2], x=outs[3], pdl=b_pdl, x16=x16)
             _linear_kernel.STAMPS = bufs[i][1] if stamped else None
-            skinny_linear_multi(outs[3], groups[i], y[i], pdl=g_pdl)
+            skinny_linear_multi(outs[3], groups[i], y[i], pdl=g_pdl, x16=x16)
         _boundary.STAMPS = _linear_kernel.STAMPS = None
 
     try:

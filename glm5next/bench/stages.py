@@ -119,8 +119,8 @@ def _projection_case(model, m: int, kind: str, stage: str) -> Case:
         for n in single_names:
             mod = _get(attn, n)
             mods.append((mod, torch.randn(m, mod.in_features, generator=gen, device=dev).to(dt)))
-        # Whether the group reads an fp16 copy of the boundary's output ("before" writes one where it does;
-        # each choice's run where its own launches read one).
+        # Whether the group reads an fp16 copy of the boundary's output: then the boundary writes one in every
+        # run and in `before` (where the group does, "single" members can, and stock reads none).
         calls.append((layer.attn_hc, layer.input_layernorm, state, mods, grouped.reads_x16(layer, m)))
         total += sum(_linear_bytes(mod) for mod, _ in mods)
     calls = calls * _copies(total)
@@ -135,11 +135,10 @@ def _projection_case(model, m: int, kind: str, stage: str) -> Case:
         routes = ProjectionRoutes(layers, Policy({stage: {str(m): choice}}), dt, copies)
         table = routes.table(m)
 
-        reads = [routes.reads_x16(layer, m) for layer in layers] * (len(calls) // len(layers))
 
-        def run(table=table, routes=routes, late=choice in RELEASE_LATE, reads=reads):
+        def run(table=table, routes=routes, late=choice in RELEASE_LATE):
             with routed(table):
-                for (hc, norm, state, mods, _), x16 in zip(calls, reads):
+                for hc, norm, state, mods, x16 in calls:
                     x = boundary(*state, hc, norm, late, x16=x16)[3]
                     for mod, xin in mods:
                         mod(x if xin is None else xin)

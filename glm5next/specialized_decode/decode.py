@@ -85,7 +85,6 @@ class LayerStages:
     def _build_stages(self, layers) -> None:
         config = self.text_config
         self.copies = Fp16Copies()
-        self._x16: dict[tuple[int, str, int], bool] = {}
         self.boundary_stage = BoundaryStage(config, self.copies) if self.policy.enabled("boundary") else None
         if self.boundary_stage is not None:
             eps = {n.eps for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)}
@@ -134,19 +133,13 @@ class LayerStages:
     def reads_x16(self, layer, sublayer: str, tokens: int) -> bool:
         """Whether `layer`'s "attention" or "mlp" sublayer runs a stage at this token count whose first
         launch reads an fp16 copy of its input (then the boundary before it writes one)."""
-        key = (layer.layer_idx, sublayer, tokens)
-        if key not in self._x16:
-            dtype = self.backbone.embed_tokens.dtype
-            if sublayer == "attention":
-                want = self.projections.reads_x16(layer, tokens)
-            else:
-                dense, shared = self.dense.get(layer.layer_idx), self.shared.get(layer.layer_idx)
-                want = ((dense is not None and bool(self.policy("dense_mlp", tokens))
-                         and dense.reads_x16(tokens, dtype))
-                        or (shared is not None and bool(self.policy("shared_expert", tokens))
-                            and shared.reads_x16(tokens, dtype)))
-            self._x16[key] = want
-        return self._x16[key]
+        if sublayer == "attention":
+            return self.projections.reads_x16(layer, tokens)
+        dtype = self.backbone.embed_tokens.dtype
+        dense, shared = self.dense.get(layer.layer_idx), self.shared.get(layer.layer_idx)
+        return ((dense is not None and bool(self.policy("dense_mlp", tokens)) and dense.reads_x16(tokens, dtype))
+                or (shared is not None and bool(self.policy("shared_expert", tokens))
+                    and shared.reads_x16(tokens, dtype)))
 
     def attention(self, layer, x: torch.Tensor, step: Step) -> tuple[torch.Tensor, bool]:
         """The attention output and whether it is still TP-partial (stock module; projections routed)."""

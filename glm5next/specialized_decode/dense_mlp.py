@@ -19,7 +19,7 @@ from .copies import Fp16Copies
 class DenseMlpStage:
     """`MLP.forward` on the skinny kernels. Where the gate|up or the down reads fp16 copies
     (`glm5next.kernels.linear.reads_x16`), the gate|up takes the copy of its input that `copies` holds
-    (the boundary's) and writes one of its output for the down."""
+    (the boundary's), and writes one of its output for the down."""
 
     def __init__(self, mlp: MLP, copies: Fp16Copies | None = None) -> None:
         self.mlp = mlp
@@ -44,7 +44,7 @@ class DenseMlpStage:
         m = self.mlp
         x16 = None if self.copies is None else self.copies.get(x)
         h16 = None
-        if self.copies is not None and reads_x16(x.shape[0], [m.down_proj.weight], x.dtype):
+        if reads_x16(x.shape[0], [m.down_proj.weight], x.dtype):  # the gate|up writes the down's copy
             h16 = torch.empty(x.shape[0], m.down_proj.weight.shape[1], dtype=torch.float16, device=x.device)
         h = gate_up_swiglu(x, m.gate_proj.weight, m.gate_proj.weight_scale_inv, m.up_proj.weight,
                            m.up_proj.weight_scale_inv, m.swiglu_limit, x16=x16, out16=h16,
