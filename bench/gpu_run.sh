@@ -18,6 +18,17 @@ mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-.}
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton-cache}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$OUT/gpu.txt" 2>&1
+# Kernels an earlier call compiled: an archive a call left in $OUT (bench/triton_cache.py), copied into
+# the ignored folder .device-carry/ and named in the next call's carry. TRITON_PACK=0: leave none in
+# $OUT this call (it is one of the 8 files a call brings back).
+for archive in .device-carry/triton-cache*.tar.xz; do
+    [ -f "$archive" ] && python bench/triton_cache.py unpack "$archive" "$TRITON_CACHE_DIR"
+done
+pack_cache() {
+    [ "${TRITON_PACK:-1}" = 0 ] || [ ! -d "$TRITON_CACHE_DIR" ] ||
+        python bench/triton_cache.py pack "$TRITON_CACHE_DIR" "$OUT/triton-cache.tar.xz"
+}
+trap pack_cache EXIT
 
 run() {  # run NAME LIMIT_S CMD...
     local name=$1 limit=$2

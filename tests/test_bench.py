@@ -471,3 +471,51 @@ def test_tune_merge_keeps_the_sizes_not_measured():
         merge_policy_docs(dict(old, gpu="NVIDIA H100"), new)
     with pytest.raises(PolicyError, match="warp"):
         merge_policy_docs(dict(old, tables={"boundary": {"8": "warp"}}), new)
+
+
+def _load_bench_script(name):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "bench", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_triton_cache_round_trip_keeps_what_a_hit_reads(tmp_path):
+    """bench/triton_cache.py: pack keeps each complete kernel entry's binary, metadata and group (no IR,
+    no interrupted compile), and launchers; unpack points the groups at the files' new place; an archive
+    over the size cap keeps the newest entries."""
+    tc = _load_bench_script("triton_cache")
+    src = tmp_path / "cache"
+    for i, name in enumerate(["K1", "K2"]):
+        d = src / f"HASH{i}"
+        d.mkdir(parents=True)
+        for ext in ("cubin", "json", "ttir", "ptx", "source"):
+            (d / f"{name}.{ext}").write_bytes(os.urandom(2000) if ext == "cubin" else b"{}")
+        group = {c: str(d / c) for c in os.listdir(d)}
+        (d / f"__grp__{name}.json").write_text(json.dumps({"child_paths": group}))
+        os.utime(d / f"{name}.cubin", (1000 + i, 1000 + i))
+        for f in os.listdir(d):
+            os.utime(d / f, (1000 + i, 1000 + i))
+    (src / "LAUNCH").mkdir()
+    (src / "LAUNCH" / "launcher.so").write_bytes(b"\x7fELF")
+    (src / "BROKEN").mkdir()  # a compile that never finished: IR only
+    (src / "BROKEN" / "K3.ttir").write_text("")
+    archive = tmp_path / "a.tar.xz"
+    kept, found, size = tc.pack(str(src), str(archive), 1.0)
+    assert (kept, found) == (3, 3) and size == os.path.getsize(archive)
+    dst = tmp_path / "elsewhere"
+    assert tc.unpack(str(archive), str(dst)) == 3
+    assert sorted(os.listdir(dst)) == ["HASH0", "HASH1", "LAUNCH"]
+    assert sorted(os.listdir(dst / "HASH1")) == ["K2.cubin", "K2.json", "__grp__K2.json"]
+    group = json.loads((dst / "HASH1" / "__grp__K2.json").read_text())["child_paths"]
+    assert group == {"K2.cubin": str(os.path.realpath(dst / "HASH1" / "K2.cubin")),
+                     "K2.json": str(os.path.realpath(dst / "HASH1" / "K2.json"))}
+    assert (dst / "HASH0" / "K1.cubin").read_bytes() == (src / "HASH0" / "K1.cubin").read_bytes()
+    # The random cubins do not compress: a cap of about one entry keeps the newest one only.
+    kept, found, size = tc.pack(str(src), str(archive), 2500 / 2**20)
+    assert kept < found and size <= 2500
+    small = tmp_path / "small"
+    tc.unpack(str(archive), str(small))
+    assert "HASH0" not in os.listdir(small)
