@@ -414,6 +414,25 @@ def test_linear_sweep_hands_the_x16_variant_an_fp16_copy(monkeypatch):
     assert kw1["x16"].dtype == torch.float16 and torch.equal(kw1["x16"], x1.to(torch.float16))
 
 
+def test_linear_sweep_resident_calls_one_instance(monkeypatch):
+    """`resident`: every call of a case's graph uses the same weights (which then stay in L2), as many
+    calls as the rotated run makes over its distinct instances; rows say which they were."""
+    import glm5next.bench.sweep as sweep
+
+    made, seen = [], []
+    monkeypatch.setattr(sweep, "_time", lambda fn, calls, replays: fn() or 1.0)
+    monkeypatch.setattr(sweep, "ROTATE_BYTES", 48 << 20)  # several instances of the 9 MB group when rotated
+    monkeypatch.setattr(sweep, "shape_weights", lambda name, device: made.append(object()) or ([(made[-1], None)], None))
+    monkeypatch.setattr(sweep, "project", lambda x, ws, ups, **kw: seen.append(ws[0][0]))
+    for resident in (False, True):
+        made.clear()
+        seen.clear()
+        rows = sweep.sweep_linear("cpu", [1], 1e12, 1, variants=["heuristic"], cases=["dsa_group"], resident=resident)
+        assert [r["resident"] for r in rows] == [resident]
+        assert len(seen) > 1 and len(set(map(id, seen))) == (1 if resident else len(seen))
+        assert len(made) == (1 if resident else len(seen))
+
+
 def test_boundary_sweep_times_contraction_when_asked(monkeypatch):
     """`fp_fusion` (False, True): each tiling once as shipped and once compiled with contraction, the
     module's setting restored afterwards."""

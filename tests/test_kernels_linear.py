@@ -257,10 +257,12 @@ def test_tensor_descriptors_are_the_default_with_fp16_products():
     assert plan_launch(1, **fp8).split_k == plan_launch(1, **fp8, mode="dot").split_k
 
 
+@pytest.mark.parametrize("hold", [None, 4], ids=["streamed", "held"])
 @pytest.mark.parametrize("split_k", [1, 2], ids=["nosplit", "split2"])
-def test_activations_beyond_fp16_fall_back_to_bf16_products(split_k):
+def test_activations_beyond_fp16_fall_back_to_bf16_products(split_k, hold):
     """An activation of 2^17 overflows fp16: the programs that meet it redo their share in bf16
-    products, and the result is the reference's (finite), plain and gated, for every row."""
+    products, and the result is the reference's (finite), plain and gated, for every row (also where
+    the held steps are all of a program's: split2)."""
     g = torch.Generator().manual_seed(11)
     w, s = make_weight("fp8", 130, 257, g)
     w2, s2 = make_weight("fp8", 130, 257, g)
@@ -268,11 +270,12 @@ def test_activations_beyond_fp16_fall_back_to_bf16_products(split_k):
     x[1, 200] = 2.0**17  # only the programs whose K range holds column 200 meet it
     x = x.to(torch.bfloat16)
     for half, mode in ((None, None), (True, None), (None, "swap")):
-        y = skinny_linear(x, w, s, out=nan_out(3, 130, torch.bfloat16), split_k=split_k, half=half, mode=mode)
+        y = skinny_linear(x, w, s, out=nan_out(3, 130, torch.bfloat16), split_k=split_k, half=half, mode=mode,
+                          hold=hold)
         assert torch.isfinite(y).all()
         assert rel_err(y, linear_reference(x, w, s)) <= 1e-2
         z = gate_up_swiglu(x, w, s, w2, s2, 1e9, out=nan_out(3, 130, torch.bfloat16), split_k=split_k, half=half,
-                           mode=mode)
+                           mode=mode, hold=hold)
         assert torch.isfinite(z).all()
         assert rel_err(z, gate_up_swiglu_reference(x, w, s, w2, s2, 1e9)) <= 1e-2
 
@@ -511,3 +514,52 @@ def test_reads_x16_where_the_products_are_fp16():
     assert not reads_x16(1, [fp8, bf16], torch.bfloat16) and not reads_x16(1, [bf16], torch.bfloat16)
     assert not reads_x16(1, [fp8], torch.float32) and not reads_x16(1, [fp8], torch.float16)
     assert not reads_x16(0, [fp8], torch.bfloat16) and not reads_x16(65, [fp8], torch.bfloat16)
+
+
+@pytest.mark.parametrize("hold", [1, 2, 4])
+@pytest.mark.parametrize("split_k", [1, 3], ids=["nosplit", "split3"])
+def test_held_weight_tiles_give_the_reference(hold, split_k):
+    """`hold`: a program's first K steps loaded into registers before its other loads (before its wait,
+    launched as a programmatic dependent). Single (default and "dot" mode), multi and gated launches equal
+    their references at ragged sizes, NaN-filled, also where the last split has fewer steps than are held
+    (K 257 in 3 splits of 2, 2 and 1 steps) and where held steps are followed by streamed ones (no split:
+    5 steps)."""
+    g = torch.Generator().manual_seed(40 + hold + split_k)
+    for kind in ("fp8", "bf16", "fp8-fp32x"):
+        dtype = KINDS[kind]
+        w, s = make_weight(kind, 37, 257, g)
+        w2, s2 = make_weight(kind, 130, 257, g)
+        x = torch.randn(3, 257, generator=g).to(dtype)
+        for mode in (None, "dot"):
+            y = skinny_linear(x, w, s, out=nan_out(3, 37, dtype), split_k=split_k, hold=hold, mode=mode)
+            assert rel_err(y, linear_reference(x, w, s)) <= tol(dtype), (kind, mode)
+        ys = skinny_linear_multi(x, [(w, s), (w2, s2)], [nan_out(3, 37, dtype), nan_out(3, 130, dtype)],
+                                 split_k=split_k, hold=hold)
+        for y, ref in zip(ys, linear_multi_reference(x, [(w, s), (w2, s2)])):
+            assert rel_err(y, ref) <= tol(dtype), kind
+        u, us = make_weight(kind, 37, 257, g)
+        z = gate_up_swiglu(x, w, s, u, us, 3.0, out=nan_out(3, 37, dtype), split_k=split_k, hold=hold)
+        assert rel_err(z, gate_up_swiglu_reference(x, w, s, u, us, 3.0)) <= tol(dtype), kind
+
+
+def test_held_steps_are_capped():
+    """A plan holds what it is asked for only with tensor-core products and steps within one scale block;
+    a launch holds at most the steps a program has and what fits in HOLD_BYTES (gate and up counted both),
+    rounded down to a power of two; a hold outside 0-4 is refused."""
+    from glm5next.kernels.linear.kernel import HOLD_BYTES, held_steps
+
+    assert plan_launch(1, [64], 4096, 1, hold=2).hold == 2
+    assert plan_launch(1, [64], 4096, 1).hold == 0
+    assert plan_launch(1, [64], 4096, 1, hold=2, mode="gemv").hold == 0
+    assert plan_launch(1, [64], 4096, 1, hold=2, block_k=256).hold == 0
+    assert plan_launch(1, [64], 4096, 1, hold=2, mode="swap").hold == 0
+    for bad in (5, -1, True, 1.5):
+        with pytest.raises(ValueError, match="hold"):
+            plan_launch(1, [64], 4096, 1, hold=bad)
+    fp8 = [torch.empty(2048, 4096, dtype=torch.float8_e4m3fn, device="meta")]
+    bf16 = [torch.empty(2048, 4096, dtype=torch.bfloat16, device="meta")]
+    plan = plan_launch(1, [2048], 4096, 1, hold=4)  # BLOCK_N 64 x BLOCK_K 128: 8 KB of FP8 a step
+    assert held_steps(plan, fp8, 8, False) == min(4, HOLD_BYTES // 8192)
+    assert held_steps(plan, fp8, 3, False) == 2 and held_steps(plan, fp8, 1, False) == 1
+    assert held_steps(plan, fp8, 8, True) == min(4, HOLD_BYTES // 16384)
+    assert held_steps(plan, bf16, 8, False) == min(4, HOLD_BYTES // 16384)

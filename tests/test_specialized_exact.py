@@ -103,7 +103,7 @@ def decode_alike(model, lens, executor, steps):
 @pytest.mark.parametrize("choice", STAGES["kda_proj"])
 def test_planned_step_equals_stock_step(tiny_fp32, choice):
     lens = [5, 40, 70]  # the long ones make the indexer drop pools
-    mlp = "fused-overlap" if choice == "grouped-overlap" else "fused"  # the overlapped forms together
+    mlp = "fused-overlap" if choice in ("grouped-overlap", "grouped-hold") else "fused"  # overlapped forms together
     ex = SpecializedDecode(tiny_fp32, policy(kda_proj=choice, dsa_proj=choice, dense_mlp=mlp, shared_expert=mlp),
                            SIZES)
     planned, stock = decode_alike(tiny_fp32, lens, ex, 3)
@@ -123,11 +123,14 @@ def test_planned_step_with_deferred_sinkhorn_equals_stock_step(tiny_fp32, monkey
     assert ex.planned_steps == 2
 
 
-def test_only_boundaries_before_overlapped_groups_release_late(tiny_fp32, monkeypatch):
+@pytest.mark.parametrize("shared", ["fused", "fused-overlap"])
+def test_only_boundaries_before_overlapped_groups_release_late(tiny_fp32, monkeypatch, shared):
     """With "grouped-overlap" for the KDA projections only, the boundary in front of each KDA
     attention (layer 0's first boundary included) is asked to release late, and with "fused-overlap"
     for the dense MLP the one in front of each dense layer's MLP (whose gate|up and down then launch as
-    programmatic dependents, the gate|up releasing late); the others are not."""
+    programmatic dependents, the gate|up releasing late); with "fused-overlap" for the shared expert
+    also the one in front of each MoE layer's MLP, whose first launch is then the shared expert's
+    gate|up (it runs before the router); the others are not."""
     import glm5next.kernels.linear as linear_kernels
     from glm5next.config import KDA
     from glm5next.specialized_decode.boundary import BoundaryStage
@@ -137,6 +140,8 @@ def test_only_boundaries_before_overlapped_groups_release_late(tiny_fp32, monkey
 
     def record_call(self, out, streams, post, comb, hc, norm, release_late=False, deferred=False, x16=False):
         asked[id(hc)] = release_late
+        if id(hc) in moe_ffn:
+            after_boundary.append(None)
         return call(self, out, streams, post, comb, hc, norm, release_late, deferred, x16)
 
     def record_first(self, embedded, hc, norm, release_late=False, deferred=False, x16=False):
@@ -145,34 +150,54 @@ def test_only_boundaries_before_overlapped_groups_release_late(tiny_fp32, monkey
 
     launches = []
     gate_up, down = linear_kernels.gate_up_swiglu, linear_kernels.skinny_linear
+    after_boundary = []  # per MoE layer: what ran first after its ffn boundary
 
     def record_gate_up(*a, **k):
         launches.append(("gate_up", k.get("pdl")))
+        if after_boundary and after_boundary[-1] is None:
+            after_boundary[-1] = "shared gate|up"
         return gate_up(*a, **k)
 
     def record_down(*a, **k):
         launches.append(("down", k.get("pdl")))
         return down(*a, **k)
 
+    moe_ffn = {id(layer.ffn_hc) for layer in tiny_fp32.layers if layer.mlp_is_moe}
+
+    def recording_router(route):
+        def forward(x):
+            if after_boundary and after_boundary[-1] is None:
+                after_boundary[-1] = "router"
+            return route(x)
+        return forward
+
+    for layer in tiny_fp32.layers:
+        if layer.mlp_is_moe:
+            monkeypatch.setattr(layer.mlp.gate, "forward", recording_router(layer.mlp.gate.forward))
     monkeypatch.setattr(BoundaryStage, "__call__", record_call)
     monkeypatch.setattr(BoundaryStage, "first", record_first)
     monkeypatch.setattr(linear_kernels, "gate_up_swiglu", record_gate_up)
     monkeypatch.setattr(linear_kernels, "skinny_linear", record_down)
     ex = SpecializedDecode(tiny_fp32, policy(kda_proj="grouped-overlap", dsa_proj="grouped",
-                                             dense_mlp="fused-overlap"), SIZES)
+                                             dense_mlp="fused-overlap", shared_expert=shared), SIZES)
     runner, seqs = prefilled(tiny_fp32, [5, 9], ex)
     for i, s in enumerate(seqs):
         s.token_ids.append(4 + i)
     asked.clear()
     runner.step(seqs)
     assert ex.planned_steps == 1
+    overlap = shared == "fused-overlap"
     for layer in tiny_fp32.layers:
         assert asked[id(layer.attn_hc)] == (layer.layer_kind == KDA), layer.layer_idx
-        assert asked[id(layer.ffn_hc)] == (not layer.mlp_is_moe), layer.layer_idx
+        assert asked[id(layer.ffn_hc)] == (not layer.mlp_is_moe or overlap), layer.layer_idx
     dense = sum(not layer.mlp_is_moe for layer in tiny_fp32.layers)
-    moe = len(tiny_fp32.layers) - dense  # shared experts: plain launches ("fused" in this policy)
-    assert launches.count(("gate_up", "late")) == dense and launches.count(("gate_up", None)) == moe
-    assert launches.count(("down", True)) == dense and launches.count(("down", None)) >= moe
+    moe = len(tiny_fp32.layers) - dense
+    assert after_boundary == ["shared gate|up"] * moe
+    if overlap:
+        assert launches.count(("gate_up", "late")) == dense + moe and launches.count(("down", True)) == dense + moe
+    else:
+        assert launches.count(("gate_up", "late")) == dense and launches.count(("gate_up", None)) == moe
+        assert launches.count(("down", True)) == dense and launches.count(("down", None)) >= moe
 
 
 def test_greedy_tokens_identical_over_64_planned_steps(tiny_fp32):
@@ -194,8 +219,9 @@ def test_greedy_tokens_identical_over_64_planned_steps(tiny_fp32):
 def test_projection_case_runs_every_choice_after_its_boundary(tiny_fp32, monkeypatch):
     """The tuning case of a sublayer's projections runs each choice behind the boundary that feeds
     it (the group reads the boundary's output) and has the boundaries alone as its `before`;
-    "grouped-early" and "grouped-overlap" ask for the programmatic launch of the group (the latter
-    behind a boundary that releases it late), "grouped" leaves it to the default."""
+    "grouped-early", "grouped-overlap" and "grouped-hold" ask for the programmatic launch of the group
+    (the latter two behind a boundary that releases it late; "grouped-hold" with four K steps held),
+    "grouped" leaves it to the default."""
     import glm5next.kernels.linear as linear_kernels
     from glm5next.bench import stages
     from glm5next.config import KDA
@@ -211,7 +237,7 @@ def test_projection_case_runs_every_choice_after_its_boundary(tiny_fp32, monkeyp
     releases = []
 
     def record_multi(x, projections, *a, **k):
-        seen.append((choice, k.get("pdl"), any(x is b for b in boundary_outputs)))
+        seen.append((choice, k.get("pdl"), k.get("hold"), any(x is b for b in boundary_outputs)))
         return multi(x, projections, *a, **k)
 
     def record_boundary(self, *a, **k):
@@ -225,9 +251,10 @@ def test_projection_case_runs_every_choice_after_its_boundary(tiny_fp32, monkeyp
     for choice, run in case.runs.items():
         run()
     kda_layers = sum(layer.layer_kind == KDA for layer in tiny_fp32.layers)
-    assert sorted(set(seen)) == [("grouped", None, True), ("grouped-early", True, True), ("grouped-overlap", True, True)]
-    assert len(seen) == 3 * kda_layers
-    assert {c for c, late in releases if late} == {"grouped-overlap"}  # only its boundaries release late
+    assert sorted(set(seen)) == [("grouped", None, None, True), ("grouped-early", True, None, True),
+                                 ("grouped-hold", True, 4, True), ("grouped-overlap", True, None, True)]
+    assert len(seen) == 4 * kda_layers
+    assert {c for c, late in releases if late} == {"grouped-overlap", "grouped-hold"}  # only theirs release late
     n = len(boundary_outputs)
     choice = "before"
     case.before()
@@ -280,19 +307,23 @@ def test_fp16_copies_leave_planned_bf16_steps_bit_for_bit(tiny_dir, monkeypatch)
         assert torch.equal(a, b)
 
 
-def test_mlp_case_runs_every_choice_after_its_boundary(tiny_fp32, monkeypatch):
-    """The tuning case of the dense MLP runs each choice (stock included) behind the boundary that feeds
-    it, with the boundaries alone as its `before`; "fused-overlap" behind a boundary that releases late,
-    with its gate|up and down as programmatic dependents; each choice's result is the stock MLP's."""
+@pytest.mark.parametrize("stage", ["dense_mlp", "shared_expert"])
+def test_mlp_case_runs_every_choice_after_its_boundary(tiny_fp32, monkeypatch, stage):
+    """The tuning case of the dense MLP (of the shared expert) runs each choice (stock included) behind
+    the boundary that feeds it, with the boundaries alone as its `before`; "fused-overlap" behind a
+    boundary that releases late, with its gate|up and down as programmatic dependents; each choice's
+    result is the stock MLP's."""
     import glm5next.kernels.linear as linear_kernels
     from glm5next.bench import stages
     from glm5next.specialized_decode.boundary import BoundaryStage
     from glm5next.specialized_decode.dense_mlp import DenseMlpStage
 
     monkeypatch.setattr(stages, "ROTATE_BYTES", 1)  # one copy of each layer
-    case = stages._mlp_case(tiny_fp32, 2, "dense_mlp")
-    assert set(case.runs) == set(STAGES["dense_mlp"]) | {"stock"} and case.before is not None
-    dense = [layer for layer in tiny_fp32.layers if not layer.mlp_is_moe]
+    case = stages._mlp_case(tiny_fp32, 2, stage)
+    assert set(case.runs) == set(STAGES[stage]) | {"stock"} and case.before is not None
+    shared = stage == "shared_expert"
+    dense = [layer for layer in tiny_fp32.layers if layer.mlp_is_moe == shared]
+    mlps = [layer.mlp.shared_experts if shared else layer.mlp for layer in dense]
     assert case.calls == len(dense)
     seen, outs = [], {}
     stage_call, mlp_call, gate_up = BoundaryStage.__call__, DenseMlpStage.__call__, linear_kernels.gate_up_swiglu
@@ -320,9 +351,9 @@ def test_mlp_case_runs_every_choice_after_its_boundary(tiny_fp32, monkeypatch):
     assert seen.count(("fused-overlap", "gate_up", "late")) == len(dense)
     assert seen.count(("fused", "boundary", False)) == seen.count(("stock", "boundary", False)) == len(dense)
     assert seen.count(("fused", "gate_up", None)) == len(dense)
-    for choice in STAGES["dense_mlp"]:
-        for layer, (x, y) in zip(dense, outs[choice]):
-            close(y, layer.mlp(x))
+    for choice in STAGES[stage]:
+        for mlp, (x, y) in zip(mlps, outs[choice]):
+            close(y, mlp(x))
     choice = "before"
     case.before()
     assert seen[-len(dense):] == [("before", "boundary", False)] * len(dense)

@@ -7,7 +7,8 @@ A CUDA graph of `layers` pairs in a row, each a fused boundary followed by a pro
 `sweep.SHAPES` (default the DSA group), every pair on its own weights so that the group's prefetch
 reads HBM, launched as the executor launches them for a choice of the projection stage: "overlap"
 ("grouped-overlap": the boundary releases the group once its partial products are stored, the group
-is a programmatic dependent), "early" ("grouped-early": released as the boundary starts) or
+is a programmatic dependent), "hold" ("grouped-hold": the same with the group's first K steps of
+weights held in registers before its wait), "early" ("grouped-early": released as the boundary starts) or
 "grouped" (each launch as the module's defaults have it). The graph is timed by CUDA events (median
 of replays, per pair), then replayed once more with every launch writing its stamps.
 
@@ -33,11 +34,13 @@ from ..kernels import stamps as _stamps
 from ..kernels.boundary import mhc_boundary
 from ..kernels.linear import kernel as _linear_kernel
 from ..kernels.linear import reads_x16, skinny_linear_multi
+from ..specialized_decode.linear import GROUP_HOLD
 from .floor import capture, time_replays
 from .sweep import BOUNDARY_KW, SHAPES, boundary_mixer, boundary_state, shape_weights
 
-MODES = {"overlap": ("late", True), "early": (None, True), "grouped": (None, None)}
-"""Choice -> (the boundary's `pdl`, the group's `pdl`), as the executor launches them."""
+MODES = {"overlap": ("late", True, None), "hold": ("late", True, GROUP_HOLD["grouped-hold"]),
+         "early": (None, True, None), "grouped": (None, None, None)}
+"""Choice -> (the boundary's `pdl`, the group's `pdl`, the group's `hold`), as the executor launches them."""
 
 ROWS = 8192
 """Stamp rows per launch: more than any launch here has programs (unused rows stay zero)."""
@@ -102,7 +105,7 @@ def median_report(pairs: list[dict]) -> dict:
 
 
 def run(device, T: int, mode: str, case: str, layers: int, replays: int) -> dict:
-    b_pdl, g_pdl = MODES[mode]
+    b_pdl, g_pdl, g_hold = MODES[mode]
     if SHAPES[case][1]:
         raise ValueError(f"{case}: a gated case is not a projection group")
     state = boundary_state(T, device)
@@ -123,7 +126,7 @@ def run(device, T: int, mode: str, case: str, layers: int, replays: int) -> dict
             mhc_boundary(*state, *mixers[i], **BOUNDARY_KW, sinkhorn_iters=20, new_streams=outs[0],
                          new_post=outs[1], new_comb=outs[2], x=outs[3], pdl=b_pdl, x16=x16)
             _linear_kernel.STAMPS = bufs[i][1] if stamped else None
-            skinny_linear_multi(outs[3], groups[i], y[i], pdl=g_pdl, x16=x16)
+            skinny_linear_multi(outs[3], groups[i], y[i], pdl=g_pdl, x16=x16, hold=g_hold)
         _boundary.STAMPS = _linear_kernel.STAMPS = None
 
     try:

@@ -7,7 +7,7 @@ time of one call is the replay time over the calls captured in it; where a step 
 ahead of every call that a choice may overlap (the boundary before a sublayer's projections), the
 case runs that too and subtracts its time alone. Where a stage reads an fp16 copy of its input
 (`glm5next.specialized_decode.copies`), the case gives it one as the step would: the boundary before
-the projections or the dense MLP writes it, the shared expert's case makes it before capturing.
+the projections, the dense MLP or the shared expert writes it.
 `glm5next tune-policy` picks the fastest choice per stage and token count from these cases;
 `glm5next bench --mode specialized` reports them beside the bytes each call reads.
 """
@@ -150,66 +150,45 @@ def _projection_case(model, m: int, kind: str, stage: str) -> Case:
 
 
 def _mlp_case(model, m: int, stage: str) -> Case:
-    """The dense layers' MLPs as a planned step runs them, right after the fused boundary that produces
-    their input (writing its fp16 copy where the gate|up reads one; releasing late before
-    "fused-overlap"), the boundaries alone the case's `before`; the shared experts (which follow the
-    routed experts in a step) on random inputs, with the copy made before capturing."""
+    """The dense layers' MLPs, or the MoE layers' shared experts (which an MoE layer runs first), as a
+    planned step runs them: right after the fused boundary that produces their input (writing its fp16
+    copy where the gate|up reads one; releasing late before "fused-overlap"), the boundaries alone the
+    case's `before`. Stock runs the stock MLP (the shared expert alone, not the routed ones)."""
     cfg, dev, dt = model.config, model.embed_tokens.device, model.embed_tokens.dtype
     gen = torch.Generator(device=dev).manual_seed(m + 2)
     copies = Fp16Copies()
-    if stage == "dense_mlp":
-        layers = [layer for layer in model.layers if not layer.mlp_is_moe]
-        per = _linear_bytes(layers[0].mlp.gate_proj) * 2 + _linear_bytes(layers[0].mlp.down_proj)
-        boundary = BoundaryStage(cfg, copies)
-        calls = []
-        for layer in layers:
-            st = DenseMlpStage(layer.mlp, copies)
-            state = (torch.randn(m, cfg.hidden_size, generator=gen, device=dev).to(dt),
-                     torch.randn(m, cfg.hc_mult, cfg.hidden_size, generator=gen, device=dev).to(dt),
-                     torch.rand(m, cfg.hc_mult, generator=gen, device=dev) * 2,
-                     torch.full((m, cfg.hc_mult, cfg.hc_mult), 1.0 / cfg.hc_mult, device=dev))
-            calls.append((layer, st, state, st.reads_x16(m, dt)))
-        calls = calls * _copies(per * len(layers))
-
-        def before():
-            for layer, _, state, x16 in calls:
-                boundary(*state, layer.ffn_hc, layer.post_attention_layernorm, x16=x16)
-            copies.clear()
-
-        def run(choice):
-            late = choice == "fused-overlap"
-            for layer, st, state, x16 in calls:
-                x = boundary(*state, layer.ffn_hc, layer.post_attention_layernorm, late, x16=x16)[3]
-                if choice == STOCK:
-                    layer.mlp(x)
-                else:
-                    st(x, overlap=late)
-            copies.clear()
-
-        runs = {choice: (lambda choice=choice: run(choice)) for choice in STAGES[stage] + (STOCK,)}
-        return Case(stage, m, per, runs, len(calls), before)
-    mlps = [layer.mlp.shared_experts for layer in model.layers if layer.mlp_is_moe]
+    shared = stage == "shared_expert"
+    layers = [layer for layer in model.layers if layer.mlp_is_moe == shared]
+    mlps = [layer.mlp.shared_experts if shared else layer.mlp for layer in layers]
     per = _linear_bytes(mlps[0].gate_proj) * 2 + _linear_bytes(mlps[0].down_proj)
-    insts = []
-    for mlp in mlps:
+    boundary = BoundaryStage(cfg, copies)
+    calls = []
+    for layer, mlp in zip(layers, mlps):
         st = DenseMlpStage(mlp, copies)
-        x = torch.randn(m, cfg.hidden_size, generator=gen, device=dev).to(dt)
-        insts.append((mlp, st, x, x.to(torch.float16) if st.reads_x16(m, dt) else None))
-    insts = insts * _copies(per * len(mlps))
+        state = (torch.randn(m, cfg.hidden_size, generator=gen, device=dev).to(dt),
+                 torch.randn(m, cfg.hc_mult, cfg.hidden_size, generator=gen, device=dev).to(dt),
+                 torch.rand(m, cfg.hc_mult, generator=gen, device=dev) * 2,
+                 torch.full((m, cfg.hc_mult, cfg.hc_mult), 1.0 / cfg.hc_mult, device=dev))
+        calls.append((layer, mlp, st, state, st.reads_x16(m, dt)))
+    calls = calls * _copies(per * len(layers))
 
-    def fused(overlap=False):
-        for _, st, x, x16 in insts:
-            if x16 is not None:
-                copies.put(x, x16)
-            st(x, overlap=overlap)
+    def before():
+        for layer, _, _, state, x16 in calls:
+            boundary(*state, layer.ffn_hc, layer.post_attention_layernorm, x16=x16)
         copies.clear()
 
-    def stock():
-        for mlp, _, x, _ in insts:
-            mlp(x)
+    def run(choice):
+        late = choice == "fused-overlap"
+        for layer, mlp, st, state, x16 in calls:
+            x = boundary(*state, layer.ffn_hc, layer.post_attention_layernorm, late, x16=x16)[3]
+            if choice == STOCK:
+                mlp(x)
+            else:
+                st(x, overlap=late)
+        copies.clear()
 
-    runs = {"fused": fused, "fused-overlap": lambda: fused(True), STOCK: stock}
-    return Case(stage, m, per, {c: runs[c] for c in STAGES[stage] + (STOCK,)}, len(insts))
+    runs = {choice: (lambda choice=choice: run(choice)) for choice in STAGES[stage] + (STOCK,)}
+    return Case(stage, m, per, runs, len(calls), before)
 
 
 def logits_case(model, m: int) -> Case:

@@ -57,6 +57,9 @@ VARIANTS = {
     "pdl-no-prefetch": dict(pdl=True),
     "pdl-prefetch-8mb": dict(pdl=True),
     "pdl-late": dict(pdl="late"),
+    "pdl-hold": dict(pdl=True, hold=4),
+    "pdl-hold-2": dict(pdl=True, hold=2),
+    "pdl-hold-split-2x": dict(pdl=True, hold=4, split_factor=2),
     "bn32": dict(block_n=32),
     "bn16": dict(block_n=16),
     "bn32-split-half": dict(block_n=32, split_factor=0.5),
@@ -74,7 +77,8 @@ operand), "tma*" load FP8 weight tiles through tensor descriptors,
 "x16" gives the products an fp16 copy of x made beforehand (FP8 cases only; what a producer
 writing it beside x would save each program), "pdl*" launch as programmatic
 dependents (the weight prefetch capped by `SETTINGS`; "pdl-late" releases the next launch only after
-the products), "bn*" narrower output tiles (more programs on small matrices), "split-N" exactly N K
+the products; "pdl-hold*" hold the first 4 / 2 K steps' weight tiles in registers before the wait, with
+"-split-2x" twice the split so that every step of a program is held more often), "bn*" narrower output tiles (more programs on small matrices), "split-N" exactly N K
 splits (fewer where N exceeds the K steps), "warps-8*" 8 warps per program (more independent warps
 per scheduler), "stages-N*" N pipeline stages (less shared memory per program, so more programs per SM,
 with the split raised to fill them)."""
@@ -146,14 +150,19 @@ def _time(fn, calls: int, replays: int) -> float:
     return statistics.median(time_replays(graph, replays, 2)) * 1e3 / calls
 
 
-def sweep_linear(device, m_values, bandwidth: float, replays: int, variants=None, cases=None) -> list[dict]:
+def sweep_linear(device, m_values, bandwidth: float, replays: int, variants=None, cases=None,
+                 resident: bool = False) -> list[dict]:
+    """Each case and variant at each row count: µs per call over a graph of calls on rotated weights (past
+    L2), or with `resident` on one instance called as often (its weights stay in L2: what the launch takes
+    when its bytes need not come from HBM)."""
     rows = []
     for name, (shapes, gated, storage) in SHAPES.items():
         if cases is not None and name not in cases:
             continue
         per = sum(n * k for n, k in shapes) * (2 if gated else 1) * (2 if storage == "bf16" else 1)
         copies = max(1, -(-ROTATE_BYTES // per))
-        insts = [shape_weights(name, device) for _ in range(copies)]
+        insts = [shape_weights(name, device)] * copies if resident else [
+            shape_weights(name, device) for _ in range(copies)]
         for m in m_values:
             x = torch.randn(m, shapes[0][1], device=device).to(torch.bfloat16) * 0.1
             x16 = x.to(torch.float16)  # for the "x16" variants, made once outside the timed graph
@@ -176,8 +185,10 @@ def sweep_linear(device, m_values, bandwidth: float, replays: int, variants=None
                     torch.cuda.synchronize()
                     continue
                 frac = per / (us * 1e-6) / bandwidth
-                rows.append(dict(case=name, m=m, variant=variant, us=us, bytes=per, bw_fraction=frac))
-                print(f"{name:15s} M={m:2d} {variant:20s} {us:8.1f} us {100 * frac:5.1f} %", flush=True)
+                rows.append(dict(case=name, m=m, variant=variant, us=us, bytes=per, bw_fraction=frac,
+                                 resident=resident))
+                print(f"{name:15s} M={m:2d} {variant:20s} {us:8.1f} us {100 * frac:5.1f} %"
+                      + (" (weights in L2)" if resident else ""), flush=True)
         insts.clear()
         torch.cuda.empty_cache()
     return rows
@@ -376,6 +387,8 @@ def main(argv=None) -> None:
                    help="time each boundary tiling also compiled with floating-point contraction")
     p.add_argument("--finish-scalar", action="store_true",
                    help="time each one-token-block tiling also with the scalar finisher (FINISH_SCALAR)")
+    p.add_argument("--resident", action="store_true",
+                   help="time the projections on one weight instance, so its bytes stay in L2")
     p.add_argument("--variants", default=None, help=f"comma-separated subset of {', '.join(VARIANTS)}")
     p.add_argument("--cases", default=None, help=f"comma-separated subset of {', '.join(SHAPES)}")
     p.add_argument("--out", default=None)
@@ -399,7 +412,8 @@ def main(argv=None) -> None:
                                (False, True) if a.fp_fusion else (False,),
                                (False, True) if a.finish_scalar else (False,))
     if not a.skip_linear:
-        rows += sweep_linear(device, [int(m) for m in a.m.split(",")], bw["bytes_per_s"], a.replays, variants, cases)
+        rows += sweep_linear(device, [int(m) for m in a.m.split(",")], bw["bytes_per_s"], a.replays, variants, cases,
+                             a.resident)
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(device), "bandwidth": bw, "rows": rows}, f, indent=1)

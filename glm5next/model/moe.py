@@ -174,8 +174,12 @@ class MoE(nn.Module):
                                   "moe_intermediate_size * n_shared_experts", reduce=False)
 
     def forward(self, x: torch.Tensor, graph_safe: bool = False) -> torch.Tensor:
+        # The shared expert first: in a planned decode step its kernels then follow the boundary that
+        # produces x directly, so they can start (and fetch their weights) while it finishes. The sum
+        # is the same (routed + shared) whatever runs first.
+        shared = self.shared_experts(x)
         ids, weights = self.gate(x)
-        return reduce_output(self.experts(x, ids, weights, graph_safe) + self.shared_experts(x), self.tp)
+        return reduce_output(self.experts(x, ids, weights, graph_safe) + shared, self.tp)
 
     def tensor_specs(self, prefix: str) -> dict[str, TensorSpec]:
         """Router, routed experts and shared expert tensors under `prefix` (e.g. `layers.3.mlp`)."""

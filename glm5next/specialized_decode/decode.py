@@ -127,8 +127,11 @@ class LayerStages:
 
     def mlp_release_late(self, layer, tokens: int) -> bool:
         """Whether the boundary before `layer`'s MLP releases the next launch only after its partial
-        products: the dense MLP stage runs "fused-overlap" at this token count."""
-        return layer.layer_idx in self.dense and self.policy("dense_mlp", tokens) == "fused-overlap"
+        products: the MLP's first launch, the dense MLP's or (an MoE layer's shared expert runs first)
+        the shared expert's, is "fused-overlap" at this token count."""
+        if layer.layer_idx in self.dense:
+            return self.policy("dense_mlp", tokens) == "fused-overlap"
+        return layer.layer_idx in self.shared and self.policy("shared_expert", tokens) == "fused-overlap"
 
     def reads_x16(self, layer, sublayer: str, tokens: int) -> bool:
         """Whether `layer`'s "attention" or "mlp" sublayer runs a stage at this token count whose first

@@ -3,9 +3,10 @@ together with the clamped SwiGLU in one kernel, then the down projection.
 
 Choices: "fused"; "fused-overlap", the same with both launches programmatic dependents: the gate|up
 lets the down start only once its own products are done, and the down prefetches its weights while
-the gate|up's last programs finish; in a dense layer the gate|up also pulls its leading weight tiles
-into L2 while the boundary before it (which then releases it only after its partial products)
-finishes. (The shared expert follows the stock routed experts, which release nothing early.)"""
+the gate|up's last programs finish; the gate|up also pulls its leading weight tiles into L2 while the
+boundary before it (which then releases it only after its partial products) finishes. (An MoE layer
+runs its shared expert first, before the router and the routed experts, so it too follows the
+boundary.)"""
 
 from __future__ import annotations
 

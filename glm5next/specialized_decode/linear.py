@@ -6,8 +6,10 @@ DSA: q_a|kv_a|indexer wk) in one launch, and the rest one launch each; "grouped-
 the group launched as a programmatic dependent of the kernel before it (in a step, the fused boundary,
 which releases its dependents as it starts), so the group's weights stream into L2 while the boundary
 runs; "grouped-overlap" the same with the boundary releasing the group only once its partial products
-are stored, so that prefetch runs beside the boundary's finisher rather than its loads; "single" runs
-every projection in its own launch. The weights stay where the backbone keeps them. A launch whose
+are stored, so that prefetch runs beside the boundary's finisher rather than its loads; "grouped-hold"
+as "grouped-overlap" with every program of the group loading the weight tiles of its first `GROUP_HOLD`
+K steps (at 1-16 rows, for the DSA group, all of its steps) into registers before its wait (`LaunchPlan.hold`), so that after the boundary only the
+activations of those steps are read; "single" runs every projection in its own launch. The weights stay where the backbone keeps them. A launch whose
 input has an fp16 copy filed (`Fp16Copies`: the boundary writes one where the group reads it) reads that.
 """
 
@@ -25,11 +27,15 @@ KDA_SINGLES = ("f_b_proj", "g_b_proj", "o_proj")
 DSA_GROUP = ("q_a_proj", "kv_a_proj_with_mqa", "indexer.wk")
 DSA_SINGLES = ("q_b_proj", "o_proj", "indexer.wq_b")
 STAGE_OF = {KDA: "kda_proj", DSA: "dsa_proj"}
-GROUPED = ("grouped", "grouped-early", "grouped-overlap")
-EARLY = ("grouped-early", "grouped-overlap")
+GROUPED = ("grouped", "grouped-early", "grouped-overlap", "grouped-hold")
+EARLY = ("grouped-early", "grouped-overlap", "grouped-hold")
 """The choices that launch the group as a programmatic dependent of the boundary before it."""
-RELEASE_LATE = ("grouped-overlap",)
+RELEASE_LATE = ("grouped-overlap", "grouped-hold")
 """The choices whose boundary releases the group only after its partial products."""
+GROUP_HOLD = {"grouped-hold": 4}
+"""Choice -> K steps a group program holds in registers (fewer where its tiles would pass `HOLD_BYTES`).
+The DSA group at 1-16 rows has 4 steps a program: all held, nothing streams after the wait, and an sm_90
+compile of it takes 149 registers a thread (3 programs per SM: its 280 programs in one wave)."""
 
 
 def _get(module, path: str):
@@ -71,15 +77,16 @@ class GroupRoute:
         self._x: torch.Tensor | None = None
         self._outs: list[torch.Tensor] = []
 
-    def member(self, i: int, early: bool = False):
-        return lambda x: self._get(i, x, early)
+    def member(self, i: int, early: bool = False, hold: int = 0):
+        return lambda x: self._get(i, x, early, hold)
 
-    def _get(self, i: int, x: torch.Tensor, early: bool = False) -> torch.Tensor:
+    def _get(self, i: int, x: torch.Tensor, early: bool = False, hold: int = 0) -> torch.Tensor:
         if self._x is not x:
             from ..kernels.linear import skinny_linear_multi
 
             x16 = None if self.copies is None else self.copies.get(x)
-            self._outs = skinny_linear_multi(x, self.projections, pdl=True if early else None, x16=x16)
+            self._outs = skinny_linear_multi(x, self.projections, pdl=True if early else None, x16=x16,
+                                             hold=hold or None)
             self._x = x
         return self._outs[i]
 
@@ -122,7 +129,7 @@ class ProjectionRoutes:
             if choice in GROUPED:
                 for g in self.groups[stage]:
                     for i, m in enumerate(g.members):
-                        table[id(m)] = g.member(i, early=choice in EARLY)
+                        table[id(m)] = g.member(i, early=choice in EARLY, hold=GROUP_HOLD.get(choice, 0))
                 for m in self.singles[stage]:
                     table[id(m)] = SingleRoute(m, self.copies)
             elif choice == "single":

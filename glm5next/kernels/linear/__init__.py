@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from .kernel import MAX_PROJECTIONS, LaunchPlan, launch, tile_counters
+from .kernel import MAX_HOLD, MAX_PROJECTIONS, LaunchPlan, launch, tile_counters
 from .reference import gate_up_swiglu_reference, linear_multi_reference, linear_reference
 
 __all__ = [
@@ -51,6 +51,8 @@ CANDIDATES: dict[str, dict] = {
     "tma": dict(mode="tma"),
     "pdl": dict(pdl=True),
     "pdl-late": dict(pdl="late"),
+    "pdl-hold": dict(pdl=True, hold=4),
+    "pdl-hold-2": dict(pdl=True, hold=2),
     "warps-8": dict(num_warps=8),
 }
 """Launch variants worth timing per call site (keyword overrides of every entry point). `split_factor`
@@ -59,8 +61,9 @@ scales the heuristic's split (rounded, at least 1); "gemv" (no tensor cores) app
 fp16 / bf16 whatever the row count (see `LaunchPlan.half`); "swap" multiplies W @ x.T (see `LaunchPlan.swap`);
 "tma" loads FP8 weight tiles through tensor descriptors (see `LaunchPlan.tma`; other weights as "dot"); "pdl"
 launches as a programmatic dependent that prefetches its weights into L2 (see `LaunchPlan.pdl`), "pdl-late" the
-same letting the next kernel start only once its products are done (`LaunchPlan.pdl_late`); "warps-8" runs
-8 warps per program."""
+same letting the next kernel start only once its products are done (`LaunchPlan.pdl_late`); "pdl-hold" /
+"pdl-hold-2" as "pdl" with the weight tiles of a program's first 4 / 2 K steps loaded into registers before
+its wait (`LaunchPlan.hold`); "warps-8" runs 8 warps per program."""
 PDL = False
 """Whether plans launch as programmatic dependents when the caller does not say (`pdl` None)."""
 _SMS: dict[int | None, int] = {}
@@ -80,7 +83,7 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
                 mode: str | None = None, split_factor: float = 1, x_bytes: int = 2,
                 widest_bytes: int | None = None, block_k: int | None = None,
                 half: bool | None = None, pdl: bool | str | None = None, num_warps: int | None = None,
-                num_stages: int | None = None) -> LaunchPlan:
+                num_stages: int | None = None, hold: int | None = None) -> LaunchPlan:
     """Launch parameters for M rows against weights with output widths `ns` and depth K
     (`weight_bytes`: the smallest weight element size; `widest_bytes`: the largest, default the same).
 
@@ -100,7 +103,9 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
     `PDL`) asks for a programmatic dependent launch where the device has one (`LaunchPlan.pdl`);
     "late" does so with the next kernel released only after the products (`LaunchPlan.pdl_late`).
     `num_warps` (4 or 8) overrides the warps per program (default 4, 8 for gated calls at 64 rows);
-    `num_stages` (2-5) the pipeline stages.
+    `num_stages` (2-5) the pipeline stages. `hold` (0-4, default 0) the K steps whose weight tiles a
+    program loads into registers first (`LaunchPlan.hold`; tensor-core products, operands not swapped,
+    BLOCK_K <= 128).
     """
     gpu = device_type != "cpu"
     if pdl not in (None, False, True, "late"):
@@ -109,6 +114,8 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
         raise ValueError(f"num_warps must be 4 or 8, got {num_warps}")
     if num_stages not in (None, 2, 3, 4, 5):
         raise ValueError(f"num_stages must be 2 to 5, got {num_stages}")
+    if hold is not None and (isinstance(hold, bool) or hold not in range(MAX_HOLD + 1)):
+        raise ValueError(f"hold must be 0 to {MAX_HOLD} K steps, got {hold!r}")
     if mode not in (None, "dot", "gemv", "swap", "tma"):
         raise ValueError(f"mode must be 'dot', 'swap', 'tma' or 'gemv', got {mode!r}")
     use_dot = mode != "gemv"
@@ -172,7 +179,8 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
     warps = num_warps or (8 if (bm >= 64 and gated) else 4)
     return LaunchPlan(bm, bn, bk, split, use_dot, num_warps=warps, num_stages=stages,
                       f32_sub_k=(32 if bm <= 16 else 16) if gpu else bk, swap=mode == "swap",
-                      tma=tma, half=half, pdl=PDL if pdl is None else bool(pdl), pdl_late=pdl == "late")
+                      tma=tma, half=half, pdl=PDL if pdl is None else bool(pdl), pdl_late=pdl == "late",
+                      hold=hold if hold and use_dot and mode != "swap" and bk <= 128 else 0)
 
 
 def reads_x16(M: int, weights: list[torch.Tensor], x_dtype: torch.dtype, gated: bool = False) -> bool:
@@ -244,7 +252,7 @@ def _check_out16(out: torch.Tensor, out16: torch.Tensor | None) -> None:
 
 
 def _run(x, projections, outs, split_k, block_n, mode, split_factor=1, up=None, limit=0.0, block_k=None,
-         half=None, pdl=None, num_warps=None, num_stages=None, x16=None, out16=None):
+         half=None, pdl=None, num_warps=None, num_stages=None, x16=None, out16=None, hold=None):
     _check_x(x)
     _check_x16(x, x16)
     projections = list(projections)
@@ -261,7 +269,7 @@ def _run(x, projections, outs, split_k, block_n, mode, split_factor=1, up=None, 
     sizes = [w.element_size() for w, _ in projections]
     plan = plan_launch(x.shape[0], ns, x.shape[1], min(sizes), x.device.type, _sm_count(x.device), up is not None,
                        split_k, block_n, mode, split_factor, x.element_size(), max(sizes), block_k, half, pdl,
-                       num_warps, num_stages)
+                       num_warps, num_stages, hold)
     launch(x, [w for w, _ in projections], [s for _, s in projections], outs, plan, up, limit, x16, out16)
     return outs
 
@@ -271,14 +279,15 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor
                   mode: str | None = None, split_factor: float = 1,
                   block_k: int | None = None, half: bool | None = None, pdl: bool | str | None = None,
                   num_warps: int | None = None, num_stages: int | None = None,
-                  x16: torch.Tensor | None = None, out16: torch.Tensor | None = None) -> torch.Tensor:
+                  x16: torch.Tensor | None = None, out16: torch.Tensor | None = None,
+                  hold: int | None = None) -> torch.Tensor:
     """`x @ dequant(weight).T` in fp32 accumulation, in x's dtype (or written into `out`). `x16`: x already
     converted to fp16 (x's strides), which fp16 products against FP8 weights then read instead of
     converting x in every program; the result is the same. `out16`: an fp16 tensor with the output's
     shape and strides that receives the output converted to fp16 as well (for a next projection's `x16`)."""
     return _run(x, [(weight, scale_inv)], None if out is None else [out], split_k, block_n, mode, split_factor,
                 block_k=block_k, half=half, pdl=pdl, num_warps=num_warps, num_stages=num_stages, x16=x16,
-                out16=out16)[0]
+                out16=out16, hold=hold)[0]
 
 
 def skinny_linear_multi(x: torch.Tensor, projections, outs=None, *, split_k: int | None = None,
@@ -286,11 +295,11 @@ def skinny_linear_multi(x: torch.Tensor, projections, outs=None, *, split_k: int
                         split_factor: float = 1, block_k: int | None = None,
                         half: bool | None = None, pdl: bool | str | None = None,
                         num_warps: int | None = None, num_stages: int | None = None,
-                        x16: torch.Tensor | None = None) -> list[torch.Tensor]:
+                        x16: torch.Tensor | None = None, hold: int | None = None) -> list[torch.Tensor]:
     """`[x @ dequant(w).T for w, scale_inv in projections]` (at most 6, equal K) in one launch (`x16` as
     for `skinny_linear`)."""
     return _run(x, projections, outs, split_k, block_n, mode, split_factor, block_k=block_k, half=half, pdl=pdl,
-                num_warps=num_warps, num_stages=num_stages, x16=x16)
+                num_warps=num_warps, num_stages=num_stages, x16=x16, hold=hold)
 
 
 def gate_up_swiglu(x: torch.Tensor, gate_w: torch.Tensor, gate_s: torch.Tensor | None, up_w: torch.Tensor,
@@ -299,11 +308,11 @@ def gate_up_swiglu(x: torch.Tensor, gate_w: torch.Tensor, gate_s: torch.Tensor |
                    split_factor: float = 1, block_k: int | None = None, half: bool | None = None,
                    pdl: bool | str | None = None, num_warps: int | None = None,
                    num_stages: int | None = None, x16: torch.Tensor | None = None,
-                   out16: torch.Tensor | None = None) -> torch.Tensor:
+                   out16: torch.Tensor | None = None, hold: int | None = None) -> torch.Tensor:
     """`silu(min(g, limit)) * clamp(u, -limit, limit)`, g = x @ gate.T, u = x @ up.T, in x's dtype (`x16`
     and `out16` as for `skinny_linear`)."""
     if up_w.shape != gate_w.shape or up_w.dtype != gate_w.dtype:
         raise ValueError("gate and up weights must share shape and dtype")
     return _run(x, [(gate_w, gate_s)], None if out is None else [out], split_k, block_n, mode, split_factor,
                 up=(up_w, up_s), limit=limit, block_k=block_k, half=half, pdl=pdl, num_warps=num_warps,
-                num_stages=num_stages, x16=x16, out16=out16)[0]
+                num_stages=num_stages, x16=x16, out16=out16, hold=hold)[0]

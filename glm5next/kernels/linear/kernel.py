@@ -76,9 +76,17 @@ class LaunchPlan:
     """With `pdl`, release the next kernel only once a program's products are done (before its split-K
     epilogue) instead of at its start, so the next launch's programs do not take SM slots and L2 while
     this one still streams its weights."""
+    hold: int = 0
+    """K steps (at most `MAX_HOLD`; fewer where a program has fewer, or where their weight tiles would pass
+    `HOLD_BYTES`) whose weight tiles and block scales a program loads into registers first, by plain loads,
+    before anything else: with `pdl` before its wait, so that once the previous kernel ends only the
+    activations of those steps remain to be read. The remaining steps stream as without."""
 
 
 PREFETCH_BYTES = 32 << 20
+MAX_HOLD = 4
+HOLD_BYTES = 32 << 10
+"""Most weight bytes a program holds in registers with `LaunchPlan.hold` (at 4 warps, 64 registers a thread)."""
 """Most weight bytes one launch pulls into L2 before its wait (the H200's L2 holds 60 MB)."""
 
 STAMPS: torch.Tensor | None = None
@@ -94,6 +102,46 @@ def _prefetch_tile(w_ptr, local, pid_k, N, K, ITERS, PF_ITERS, BLOCK_N: tl.const
     k0 = pid_k * ITERS * BLOCK_K
     nbytes = tl.minimum(PF_ITERS * BLOCK_K, K - k0) * ELEM
     prefetch_l2(w_ptr + rows.to(tl.int64) * K + k0, nbytes, rows < N)
+
+
+@triton.jit
+def _held_tiles(r_ptr, s_ptr, s_row, n0, N, K, k0, IS_FP8: tl.constexpr, HOLD: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """The weight tiles of the HOLD K steps from k0 by plain loads, as one [HOLD, BLOCK_K, BLOCK_N] tensor
+    (zeros past N and K), and their block scales [HOLD, 1, 1] (ones for unscaled weights, zeros for steps
+    past K). One load, so every step's bytes are in flight at once."""
+    h = tl.arange(0, HOLD)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    kk = k0 + h[:, None, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :, None]  # [HOLD, BLOCK_K, 1]
+    wt = tl.load(r_ptr + cols[None, None, :] * K + kk, mask=(kk < K) & (cols[None, None, :] < N), other=0.0)
+    ks = k0 + h * BLOCK_K
+    if IS_FP8:
+        sc = tl.load(s_ptr + s_row + ks // 128, mask=ks < K, other=0.0)
+    else:
+        sc = tl.where(ks < K, 1.0, 0.0)
+    return wt, tl.reshape(sc, [HOLD, 1, 1])
+
+
+@triton.jit
+def _held_x(x_ptr, stride_xm, M, K, k0, IS_FP8: tl.constexpr, HALF: tl.constexpr, HOLD: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The activations the held steps multiply, [HOLD, BLOCK_M, BLOCK_K] (zeros past M and K)."""
+    rows = tl.arange(0, BLOCK_M)[None, :, None]
+    kk = k0 + tl.arange(0, HOLD)[:, None, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, None, :]
+    xt = tl.load(x_ptr + rows * stride_xm + kk, mask=(rows < M) & (kk < K), other=0.0)
+    if HALF and IS_FP8:
+        xt = xt.to(tl.float16)
+    return xt
+
+
+@triton.jit
+def _held_product(xt, wt, sc, PROD32: tl.constexpr):
+    """The held steps' products (one batched dot), each times its block scale, summed: [BLOCK_M, BLOCK_N] fp32."""
+    if PROD32:
+        parts = tl.dot(xt.to(tl.float32), wt.to(tl.float32), input_precision="tf32x3")
+    else:
+        parts = tl.dot(xt, wt.to(xt.dtype))  # exact for FP8 values; 16-bit weights unchanged
+    return tl.sum(parts * sc, axis=0)
 
 
 @triton.jit
@@ -231,25 +279,52 @@ def _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, local, pid_k, 
              stamp_ptr, xb_ptr, o16_ptr, IS_FP8: tl.constexpr, F32: tl.constexpr, TWO: tl.constexpr,
              SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
              USE_DOT: tl.constexpr, F32_SUB: tl.constexpr, HALF: tl.constexpr, SWAP: tl.constexpr, TMA: tl.constexpr,
-             PDL: tl.constexpr, PDL_LATE: tl.constexpr, STAMP: tl.constexpr, O16: tl.constexpr):
+             PDL: tl.constexpr, PDL_LATE: tl.constexpr, STAMP: tl.constexpr, O16: tl.constexpr,
+             HOLD: tl.constexpr, ITERS_MAX: tl.constexpr):
     """One program's share of one projection: tile `local` of it, K split `pid_k`. With PDL it first lets
-    the next kernel start (with PDL_LATE only after its products), prefetches its weight tiles' first
-    pf_iters K steps (from the plain pointers r_ptr / r2_ptr) and waits for the previous kernel."""
-    if PDL:
-        if not PDL_LATE:
-            launch_dependents()
-        if pf_iters > 0:
-            _prefetch_tile(r_ptr, local, pid_k, N, K, ITERS, pf_iters, BLOCK_N, BLOCK_K)
-            if TWO:
-                _prefetch_tile(r2_ptr, local, pid_k, N, K, ITERS, pf_iters, BLOCK_N, BLOCK_K)
-        stamp(stamp_ptr, 1, STAMP)
-        wait_previous()
-        stamp(stamp_ptr, 2, STAMP)
+    the next kernel start (with PDL_LATE only after its products) and prefetches its weight tiles' first
+    pf_iters K steps into L2 (from the plain pointers r_ptr / r2_ptr). It loads the weight tiles and scales
+    of its first HOLD K steps into registers (where that is every step a program has, HOLD == ITERS_MAX, a
+    bound of ITERS known when compiling, it streams none), then with PDL waits for the previous kernel."""
     n0 = local * BLOCK_N
     it0 = pid_k * ITERS
     n_it = tl.minimum(ITERS, K_ITERS - it0)
-    acc, acc2 = _accumulate(x_ptr, stride_xm, M, K, w_ptr, s_ptr, w2_ptr, s2_ptr, s_stride, n0, N, it0,
-                            n_it, IS_FP8, F32, TWO, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, HALF, SWAP, TMA)
+    s_row = (n0 // 128) * s_stride
+    if PDL:
+        if not PDL_LATE:
+            launch_dependents()
+        if pf_iters > 0:  # ahead of the held loads too: they then read L2 one after another
+            _prefetch_tile(r_ptr, local, pid_k, N, K, ITERS, pf_iters, BLOCK_N, BLOCK_K)
+            if TWO:
+                _prefetch_tile(r2_ptr, local, pid_k, N, K, ITERS, pf_iters, BLOCK_N, BLOCK_K)
+    # Held steps past this program's share lie past K (only the last split has fewer than ITERS): their
+    # masked tiles and scales are zeros.
+    if HOLD > 0:
+        hw, hs = _held_tiles(r_ptr, s_ptr, s_row, n0, N, K, it0 * BLOCK_K, IS_FP8, HOLD, BLOCK_N, BLOCK_K)
+        if TWO:
+            hv, ht = _held_tiles(r2_ptr, s2_ptr, s_row, n0, N, K, it0 * BLOCK_K, IS_FP8, HOLD, BLOCK_N, BLOCK_K)
+    if PDL:
+        stamp(stamp_ptr, 1, STAMP)
+        wait_previous()
+        stamp(stamp_ptr, 2, STAMP)
+    # The held steps' activations are read first, so their round trip overlaps the streamed steps' loads.
+    if HOLD > 0:
+        hx = _held_x(x_ptr, stride_xm, M, K, it0 * BLOCK_K, IS_FP8, HALF, HOLD, BLOCK_M, BLOCK_K)
+    if HOLD < ITERS_MAX:
+        acc, acc2 = _accumulate(x_ptr, stride_xm, M, K, w_ptr, s_ptr, w2_ptr, s2_ptr, s_stride, n0, N, it0 + HOLD,
+                                n_it - HOLD, IS_FP8, F32, TWO, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, HALF, SWAP,
+                                TMA)
+    else:  # every step held: no streamed steps, no pipeline
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc2 = acc
+    if HOLD > 0:
+        PROD32: tl.constexpr = F32 and not (HALF and IS_FP8)
+        held = _held_product(hx, hw, hs, PROD32)
+        if TWO:
+            held2 = _held_product(hx, hv, ht, PROD32)
+        acc = held + acc
+        if TWO:
+            acc2 = held2 + acc2
     if HALF and IS_FP8:
         # An activation beyond fp16's range (|x| >= 65504) makes this program's products non-finite
         # (inf, or NaN against a zero weight): it then redoes its share in bf16 products (fp32 in the
@@ -307,7 +382,7 @@ def skinny_kernel(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, ws_ptr, cnt_ptr
                   SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   USE_DOT: tl.constexpr, F32_SUB: tl.constexpr, HALF: tl.constexpr, SWAP: tl.constexpr,
                   TMA: tl.constexpr, PDL: tl.constexpr, PDL_LATE: tl.constexpr, STAMP: tl.constexpr = False,
-                  O16: tl.constexpr = False):
+                  O16: tl.constexpr = False, HOLD: tl.constexpr = 0, ITERS_MAX: tl.constexpr = 1 << 30):
     """Grid (num_tiles, split). Projection p owns tiles [T_p, T_{p+1}) (T_0 = 0, T_NUM = num_tiles);
     bit p of FP8_MASK / F32_MASK says whether its weight is FP8 / whether it multiplies in fp32.
     With TWO (one projection only) projection 0 is the gate and up_w/up_s the up weight. With TMA every
@@ -315,7 +390,9 @@ def skinny_kernel(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, ws_ptr, cnt_ptr
     possibly an fp16 copy of them), xb_ptr (same strides) the activations as given, for the bf16 redo of a program whose fp16 products overflow. r_p / up_r
     are the weights' plain pointers, for the L2 prefetch of a programmatic-dependent launch (PDL).
     With STAMP each program writes its timestamps to stamp_ptr (`glm5next.kernels.stamps`); with O16
-    (one projection only) projection 0's output goes in fp16 to o16_ptr as well."""
+    (one projection only) projection 0's output goes in fp16 to o16_ptr as well; HOLD: see
+    `LaunchPlan.hold` (the held tiles are read through r_p / up_r; ITERS_MAX bounds ITERS, and where it equals
+    HOLD no step streams)."""
     stamp(stamp_ptr, 0, STAMP)
     tile = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -323,42 +400,42 @@ def skinny_kernel(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, ws_ptr, cnt_ptr
         _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile, pid_k, ws_ptr, cnt_ptr, num_tiles,
                  limit, s_stride, w0, s0, up_w, up_s, o0, so0, N0, r0, up_r, pf_iters, stamp_ptr, xb_ptr, o16_ptr,
                  FP8_MASK & 1, F32_MASK & 1, TWO, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, HALF, SWAP, TMA,
-                 PDL, PDL_LATE, STAMP, O16)
+                 PDL, PDL_LATE, STAMP, O16, HOLD, ITERS_MAX)
     if NUM > 1:
         if (tile >= T1) & (tile < T2):
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T1, pid_k, ws_ptr, cnt_ptr,
                      num_tiles, limit, s_stride, w1, s1, w1, s1, o1, so1, N1, r1, r1, pf_iters, stamp_ptr,
                      xb_ptr, xb_ptr,
                      (FP8_MASK >> 1) & 1, (F32_MASK >> 1) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
-                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, False)
+                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, False, HOLD, ITERS_MAX)
     if NUM > 2:
         if (tile >= T2) & (tile < T3):
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T2, pid_k, ws_ptr, cnt_ptr,
                      num_tiles, limit, s_stride, w2, s2, w2, s2, o2, so2, N2, r2, r2, pf_iters, stamp_ptr,
                      xb_ptr, xb_ptr,
                      (FP8_MASK >> 2) & 1, (F32_MASK >> 2) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
-                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, False)
+                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, False, HOLD, ITERS_MAX)
     if NUM > 3:
         if (tile >= T3) & (tile < T4):
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T3, pid_k, ws_ptr, cnt_ptr,
                      num_tiles, limit, s_stride, w3, s3, w3, s3, o3, so3, N3, r3, r3, pf_iters, stamp_ptr,
                      xb_ptr, xb_ptr,
                      (FP8_MASK >> 3) & 1, (F32_MASK >> 3) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
-                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, False)
+                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, False, HOLD, ITERS_MAX)
     if NUM > 4:
         if (tile >= T4) & (tile < T5):
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T4, pid_k, ws_ptr, cnt_ptr,
                      num_tiles, limit, s_stride, w4, s4, w4, s4, o4, so4, N4, r4, r4, pf_iters, stamp_ptr,
                      xb_ptr, xb_ptr,
                      (FP8_MASK >> 4) & 1, (F32_MASK >> 4) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
-                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, False)
+                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, False, HOLD, ITERS_MAX)
     if NUM > 5:
         if tile >= T5:
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T5, pid_k, ws_ptr, cnt_ptr,
                      num_tiles, limit, s_stride, w5, s5, w5, s5, o5, so5, N5, r5, r5, pf_iters, stamp_ptr,
                      xb_ptr, xb_ptr,
                      (FP8_MASK >> 5) & 1, (F32_MASK >> 5) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
-                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, False)
+                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, False, HOLD, ITERS_MAX)
     stamp(stamp_ptr, 7, STAMP)  # END
 
 
@@ -388,6 +465,17 @@ def _prefetch_iters(weights: list[torch.Tensor], iters: int) -> int:
         return 0
     total = sum(w.numel() * w.element_size() for w in weights)
     return iters if total <= PREFETCH_BYTES else iters * PREFETCH_BYTES // total
+
+
+def held_steps(plan: LaunchPlan, weights: list[torch.Tensor], iters: int, gated: bool) -> int:
+    """The K steps a program of this launch holds (`LaunchPlan.hold`): the plan's, at most the program's
+    steps and as many as keep its held tiles (gate and up both, for a gated call) within `HOLD_BYTES`;
+    none with swapped operands (an sm_90 compile of a held swapped tile spilled)."""
+    if plan.hold <= 0:
+        return 0
+    tile = plan.block_n * plan.block_k * max(w.element_size() for w in weights) * (2 if gated else 1)
+    steps = max(0, min(plan.hold, MAX_HOLD, iters, HOLD_BYTES // tile)) if plan.use_dot and not plan.swap else 0
+    return 1 << (steps.bit_length() - 1) if steps else 0  # a power of two: the held steps are one tensor axis
 
 
 def launch(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor | None],
@@ -445,6 +533,7 @@ def launch(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tens
     up_w, up_s = (x, x) if up is None else (operand(up[0]), up[0] if up[1] is None else up[1])
     pdl = plan.pdl and _pdl.enabled(x.device)
     pf_iters = _prefetch_iters(every, iters) if pdl else 0
+    hold = held_steps(plan, every, iters, up is not None)
     raw = [x if up is None else up[0]] + [weights[p] if p < len(weights) else x for p in range(MAX_PROJECTIONS)]
     stamps = STAMPS
     stamped = _stamps.check(stamps, total * split, x.device)
@@ -454,7 +543,7 @@ def launch(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tens
         NUM=len(weights), FP8_MASK=fp8_mask, F32_MASK=f32_mask, TWO=up is not None, SPLIT=split > 1,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_DOT=plan.use_dot, F32_SUB=min(plan.f32_sub_k, bk), HALF=plan.half,
         SWAP=plan.swap, TMA=tma, PDL=pdl, PDL_LATE=pdl and plan.pdl_late, STAMP=stamped,
-        O16=out16 is not None,
+        O16=out16 is not None, HOLD=hold, ITERS_MAX=iters if hold and hold >= iters else 1 << 30,
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
         **({"launch_pdl": True} if pdl else {}))
