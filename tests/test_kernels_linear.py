@@ -543,9 +543,10 @@ def test_held_weight_tiles_give_the_reference(hold, split_k):
 
 
 def test_held_steps_are_capped():
-    """A plan holds what it is asked for only with tensor-core products and steps within one scale block;
-    a launch holds at most the steps a program has and what fits in HOLD_BYTES (gate and up counted both),
-    rounded down to a power of two; a hold outside 0-4 is refused."""
+    """A plan holds what it is asked for only with 16-bit tensor-core products (any on the CPU) at up to
+    16 rows, operands not swapped and steps within one scale block; a launch holds at most the steps a program has and what
+    fits in HOLD_BYTES (gate and up counted both), rounded down to a power of two; a hold outside 0-4 is
+    refused."""
     from glm5next.kernels.linear.kernel import HOLD_BYTES, held_steps
 
     assert plan_launch(1, [64], 4096, 1, hold=2).hold == 2
@@ -553,6 +554,10 @@ def test_held_steps_are_capped():
     assert plan_launch(1, [64], 4096, 1, hold=2, mode="gemv").hold == 0
     assert plan_launch(1, [64], 4096, 1, hold=2, block_k=256).hold == 0
     assert plan_launch(1, [64], 4096, 1, hold=2, mode="swap").hold == 0
+    assert plan_launch(16, [64], 4096, 1, hold=2).hold == 2 and plan_launch(17, [64], 4096, 1, hold=2).hold == 0
+    assert plan_launch(1, [64], 4096, 1, hold=2, x_bytes=4).hold == 0  # fp32 products on the GPU
+    assert plan_launch(1, [64], 4096, 2, hold=2, widest_bytes=4).hold == 0
+    assert plan_launch(1, [64], 4096, 1, "cpu", hold=2, x_bytes=4).hold == 2  # the interpreter's fp32 products
     for bad in (5, -1, True, 1.5):
         with pytest.raises(ValueError, match="hold"):
             plan_launch(1, [64], 4096, 1, hold=bad)

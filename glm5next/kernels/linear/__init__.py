@@ -104,8 +104,10 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
     "late" does so with the next kernel released only after the products (`LaunchPlan.pdl_late`).
     `num_warps` (4 or 8) overrides the warps per program (default 4, 8 for gated calls at 64 rows);
     `num_stages` (2-5) the pipeline stages. `hold` (0-4, default 0) the K steps whose weight tiles a
-    program loads into registers first (`LaunchPlan.hold`; tensor-core products, operands not swapped,
-    BLOCK_K <= 128).
+    program loads into registers first (`LaunchPlan.hold`; 16-bit tensor-core products at BLOCK_M 16,
+    operands not swapped, BLOCK_K <= 128: sm_90 compiles of the DSA group holding 4 steps took 126
+    registers a thread at BLOCK_M 16, 180 at 32 and 255 at 64, and held fp32 products spilled; the CPU
+    interpreter, whose products are all fp32, holds in every mode but those).
     """
     gpu = device_type != "cpu"
     if pdl not in (None, False, True, "late"):
@@ -180,7 +182,8 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
     return LaunchPlan(bm, bn, bk, split, use_dot, num_warps=warps, num_stages=stages,
                       f32_sub_k=(32 if bm <= 16 else 16) if gpu else bk, swap=mode == "swap",
                       tma=tma, half=half, pdl=PDL if pdl is None else bool(pdl), pdl_late=pdl == "late",
-                      hold=hold if hold and use_dot and mode != "swap" and bk <= 128 else 0)
+                      hold=hold if hold and use_dot and mode != "swap" and bk <= 128 and bm == 16
+                      and (not gpu or (x_bytes == 2 and (widest_bytes or weight_bytes) <= 2)) else 0)
 
 
 def reads_x16(M: int, weights: list[torch.Tensor], x_dtype: torch.dtype, gated: bool = False) -> bool:
