@@ -84,10 +84,11 @@ class LaunchPlan:
 
 
 PREFETCH_BYTES = 32 << 20
+"""Most weight bytes one launch pulls into L2 before its wait (the H200's L2 holds 60 MB)."""
 MAX_HOLD = 4
+"""Most K steps a program holds in registers with `LaunchPlan.hold`."""
 HOLD_BYTES = 32 << 10
 """Most weight bytes a program holds in registers with `LaunchPlan.hold` (at 4 warps, 64 registers a thread)."""
-"""Most weight bytes one launch pulls into L2 before its wait (the H200's L2 holds 60 MB)."""
 
 STAMPS: torch.Tensor | None = None
 """A buffer from `glm5next.kernels.stamps.buffer` (one row per program: tiles x splits): the next
@@ -293,7 +294,7 @@ def _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, local, pid_k, 
     if PDL:
         if not PDL_LATE:
             launch_dependents()
-        if pf_iters > 0:  # ahead of the held loads too: they then read L2 one after another
+        if pf_iters > 0:  # the held steps' lines too: the held loads below then meet the fetches under way
             _prefetch_tile(r_ptr, local, pid_k, N, K, ITERS, pf_iters, BLOCK_N, BLOCK_K)
             if TWO:
                 _prefetch_tile(r2_ptr, local, pid_k, N, K, ITERS, pf_iters, BLOCK_N, BLOCK_K)
