@@ -7,7 +7,8 @@
 #       | sweep[:M,M,...] | sweep-boundary[:T,T,...] | overlap[:T,T,...] (kernel timestamps of boundary + DSA group pairs)
 #       | ncu[:CASE,CASE,...] (Nsight Compute over glm5next.bench.profile_kernels' cases, e.g. ncu:dsa_group:1,boundary:8)
 # (SWEEP_ARGS adds options to the sweep, e.g. "--skip-probe --variants heuristic,swap"; NCU_ARGS to the profiled script,
-# e.g. "--variant bn32").
+# e.g. "--variant bn32"; for two sweeps with different options, run this script twice in one call, with TRITON_PACK=0
+# on all but the last: a step whose log an earlier one left takes the next free name, sweep-2.log, sweep-2.json.)
 # Each step writes its log (and JSON) under $OUT and gets its own time limit, so one slow step
 # leaves the others' results. Triton's compiled kernels go to $TRITON_CACHE_DIR (default
 # .triton-cache in this tree, ignored by git), so a later call on the same machine skips compiling.
@@ -29,6 +30,12 @@ pack_cache() {
         python bench/triton_cache.py pack "$TRITON_CACHE_DIR" "$OUT/triton-cache.tar.xz"
 }
 trap pack_cache EXIT
+
+free() {  # free NAME: NAME, or NAME-2, NAME-3, ... where an earlier step (or run of this script) left NAME.log
+    local name=$1 n=2
+    while [ -e "$OUT/$name.log" ]; do name=$1-$n; n=$((n + 1)); done
+    echo "$name"
+}
 
 run() {  # run NAME LIMIT_S CMD...
     local name=$1 limit=$2
@@ -59,7 +66,7 @@ for step in "$@"; do
                 stamps) files=tests/gpu/test_stamps.py ;;
                 *) echo "unknown test part: $part (kernels, boundary, specialized, graph, bf16, stamps)" >&2; exit 2 ;;
             esac
-            run "gpu-tests${part:+-$part}" 480 python -m pytest -v -rP -p no:cacheprovider \
+            run "$(free "gpu-tests${part:+-$part}")" 480 python -m pytest -v -rP -p no:cacheprovider \
                 -o faulthandler_timeout=240 --durations=15 $files ;;
         tune:*)
             sizes=${step#tune:}
@@ -71,7 +78,8 @@ for step in "$@"; do
             POLICY=$OUT/policy.json ;;
         specialized)
             # After a tune step of the same call, with the table it wrote; else with the shipped one.
-            run specialized 420 python -m glm5next.cli bench --mode specialized --out "$OUT/specialized.json" \
+            name=$(free specialized)
+            run "$name" 420 python -m glm5next.cli bench --mode specialized --out "$OUT/$name.json" \
                 ${POLICY:+--policy "$POLICY"} ;;
         speculative)
             run speculative 420 python -m glm5next.cli bench --mode speculative --requests 1,4,16 \
@@ -79,20 +87,23 @@ for step in "$@"; do
         sweep | sweep:*)
             m=${step#sweep}
             m=${m#:}
-            run sweep 420 python -m glm5next.bench.sweep --skip-boundary --m "${m:-1,8,16,32,64}" \
-                --out "$OUT/sweep.json" ${SWEEP_ARGS:-} ;;
+            name=$(free sweep)
+            run "$name" 420 python -m glm5next.bench.sweep --skip-boundary --m "${m:-1,8,16,32,64}" \
+                --out "$OUT/$name.json" ${SWEEP_ARGS:-} ;;
         sweep-boundary | sweep-boundary:*)
             # The boundary's (block_t, chunk) tilings at the given token counts, with the module's defaults.
             t=${step#sweep-boundary}
             t=${t#:}
             # (SWEEP_ARGS narrows the tilings, e.g. "--block-t 1 --chunks 32,64,128": about 14 s each, mostly compiling.)
-            run sweep-boundary 300 python -m glm5next.bench.sweep --skip-linear --skip-probe --t "${t:-1,4,8,16}" \
-                --out "$OUT/sweep-boundary.json" ${SWEEP_ARGS:-} ;;
+            name=$(free sweep-boundary)
+            run "$name" 300 python -m glm5next.bench.sweep --skip-linear --skip-probe --t "${t:-1,4,8,16}" \
+                --out "$OUT/$name.json" ${SWEEP_ARGS:-} ;;
         overlap | overlap:*)
             # How each boundary and the DSA group after it overlap, per projection choice (OVERLAP_ARGS adds options).
             t=${step#overlap}
             t=${t#:}
-            run overlap 300 python -m glm5next.bench.overlap --t "${t:-1,8}" --out "$OUT/overlap.json" ${OVERLAP_ARGS:-} ;;
+            name=$(free overlap)
+            run "$name" 300 python -m glm5next.bench.overlap --t "${t:-1,8}" --out "$OUT/$name.json" ${OVERLAP_ARGS:-} ;;
         ncu | ncu:*)
             # The details page (throughput, stall reasons, occupancy) and the per-instruction SASS counters as
             # text; the report itself stays under $OUT as ncu.ncu-rep.

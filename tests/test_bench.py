@@ -433,6 +433,24 @@ def test_linear_sweep_resident_calls_one_instance(monkeypatch):
         assert len(made) == (1 if resident else len(seen))
 
 
+
+def test_linear_sweep_two_waves_plans_as_before_one_wave(monkeypatch):
+    """"two-waves": its calls plan with `ONE_WAVE` off (the real plan of the DSA q_b at 64 rows: 64-column
+    tiles), the other variants with it on; the setting is restored after each call."""
+    import glm5next.bench.sweep as sweep
+    import glm5next.kernels.linear as plans
+
+    seen = []
+    monkeypatch.setattr(sweep, "_time", lambda fn, calls, replays: fn() or 1.0)
+    monkeypatch.setattr(sweep, "ROTATE_BYTES", 1)
+    monkeypatch.setattr(sweep, "shape_weights", lambda name, device: ([(None, None)], None))
+    monkeypatch.setattr(sweep, "project", lambda x, ws, ups, **kw: seen.append(
+        plans.plan_launch(x.shape[0], [20480], 1536, 1).block_n))
+    rows = sweep.sweep_linear("cpu", [64], 1e12, 1, variants=["heuristic", "two-waves"], cases=["dsa_q_b"])
+    assert [r["variant"] for r in rows] == ["heuristic", "two-waves"] and seen == [128, 64]
+    assert plans.ONE_WAVE
+
+
 def test_boundary_sweep_times_contraction_when_asked(monkeypatch):
     """`fp_fusion` (False, True): each tiling once as shipped and once compiled with contraction, the
     module's setting restored afterwards."""

@@ -416,6 +416,46 @@ def test_gpu_plans_fill_the_machine():
         plan_launch(3, [4096], 8192, 2, pdl="early")
 
 
+
+def test_fp8_plans_at_33_to_64_rows_take_one_wave(monkeypatch):
+    """FP8 weights at BLOCK_M 64 (2 programs per SM on 132 SMs: 264 slots): ungated calls launch at most one
+    wave (128-column tiles where 64-column ones alone exceed it), under-filled ones split further; with
+    `ONE_WAVE` off, the plans before."""
+    import glm5next.kernels.linear as plans
+
+    def programs(plan, ns):
+        return sum(-(-n // plan.block_n) for n in ns) * plan.split_k
+
+    shapes = {  # name: (output widths, K, gated)
+        "dsa_group": ([1536, 576, 128], 4096, False), "dsa_q_b": ([20480], 1536, False),
+        "dsa_o_proj": ([4096], 16384, False), "dense_down": ([4096], 12288, False),
+        "shared_down": ([4096], 2048, False), "dense_gate_up": ([12288], 4096, True),
+        "shared_gate_up": ([2048], 4096, True)}
+    for m in (33, 48, 64):
+        got = {name: plan_launch(m, ns, k, 1, gated=gated) for name, (ns, k, gated) in shapes.items()}
+        for name, (ns, k, gated) in shapes.items():
+            assert got[name].block_m == 64
+            if not gated:
+                assert programs(got[name], ns) <= 2 * 132, name
+        assert got["dsa_q_b"].block_n == 128 and got["dsa_q_b"].split_k == 1  # 160 tiles, not 320
+        assert got["dsa_o_proj"].block_n == 64 and got["dsa_o_proj"].split_k == 4  # 256 programs, not 320
+        assert got["dense_down"].split_k == 4
+        assert got["dense_gate_up"].split_k == 2 and got["dense_gate_up"].block_n == 64  # as before
+        assert got["dsa_group"].split_k >= 4 and got["shared_gate_up"].split_k >= 4
+        assert got["shared_down"].split_k >= 2
+        monkeypatch.setattr(plans, "ONE_WAVE", False)
+        old = {name: plan_launch(m, ns, k, 1, gated=gated) for name, (ns, k, gated) in shapes.items()}
+        monkeypatch.setattr(plans, "ONE_WAVE", True)
+        assert old["dsa_q_b"].block_n == 64 and old["dsa_o_proj"].split_k == 5 and old["dense_down"].split_k == 5
+        assert old["dense_gate_up"] == got["dense_gate_up"]
+        assert old["shared_down"].split_k == 1 and old["dsa_group"].split_k < got["dsa_group"].split_k
+    # not at 17-32 rows, nor for BF16 weights, nor on the CPU
+    for m in (17, 32):
+        assert plan_launch(m, [4096], 16384, 1).split_k == 5
+    assert plan_launch(64, [4096], 8192, 2).split_k == 4 and plan_launch(64, [20480], 1536, 2).block_n == 64
+    assert plan_launch(64, [20480], 1536, 1, device_type="cpu", sms=4).block_n == 64
+
+
 def test_bad_arguments_are_refused():
     x = torch.randn(2, 64)
     w8, s8 = make_weight("fp8", 40, 64, torch.Generator().manual_seed(0))

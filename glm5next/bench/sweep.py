@@ -24,6 +24,7 @@ from ..config import MHC_POST_MULT
 from ..kernels import boundary as boundary_kernels
 from ..kernels.boundary import mhc_boundary, mhc_last
 from ..kernels.linear import gate_up_swiglu, skinny_linear, skinny_linear_multi
+from ..kernels import linear as linear_plans
 from ..kernels.linear import kernel as linear_kernel
 from .floor import capture, measure_read_bandwidth, time_replays
 from .stages import ROTATE_BYTES
@@ -64,6 +65,7 @@ VARIANTS = {
     "bn16": dict(block_n=16),
     "bn32-split-half": dict(block_n=32, split_factor=0.5),
     **{f"split-{k}": dict(split_k=k) for k in (1, 2, 3, 4, 5, 6, 7, 8, 11, 16)},
+    "two-waves": {},
     "warps-8": dict(num_warps=8),
     "warps-8-split-2x": dict(num_warps=8, split_factor=2),
     **{f"stages-{k}": dict(num_stages=k) for k in (2, 3, 4)},
@@ -78,13 +80,15 @@ operand), "tma*" load FP8 weight tiles through tensor descriptors,
 writing it beside x would save each program), "pdl*" launch as programmatic
 dependents (the weight prefetch capped by `SETTINGS`; "pdl-late" releases the next launch only after
 the products; "pdl-hold*" hold the first 4 / 2 K steps' weight tiles in registers before the wait, with
-"-split-2x" twice the split so that every step of a program is held more often), "bn*" narrower output tiles (more programs on small matrices), "split-N" exactly N K
+"-split-2x" twice the split so that every step of a program is held more often), "bn*" narrower output tiles (more programs on small matrices), "two-waves" the plans of FP8 weights at 33-64
+rows before `ONE_WAVE` (the default launch elsewhere), "split-N" exactly N K
 splits (fewer where N exceeds the K steps), "warps-8*" 8 warps per program (more independent warps
 per scheduler), "stages-N*" N pipeline stages (less shared memory per program, so more programs per SM,
 with the split raised to fill them)."""
 SETTINGS = {
     "pdl-no-prefetch": (linear_kernel, "PREFETCH_BYTES", 0),
     "pdl-prefetch-8mb": (linear_kernel, "PREFETCH_BYTES", 8 << 20),
+    "two-waves": (linear_plans, "ONE_WAVE", False),
 }
 """Variants that also change a module setting while they are captured: (module, name, value)."""
 
