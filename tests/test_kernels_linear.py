@@ -399,7 +399,7 @@ def test_gpu_plans_fill_the_machine():
     for m in (1, 16):  # FP8 dense down: 64 tiles, 6 splits fill 384 of 396 program slots (5 would round up)
         down = plan_launch(m, [4096], 12288, 1)
         assert down.split_k == 6 and programs(down, [4096]) <= 3 * 132
-    assert plan_launch(32, [4096], 12288, 1).split_k == 5
+    assert plan_launch(32, [4096], 12288, 1).split_k == 6  # 3 programs per SM at 17-32 rows too (ONE_WAVE)
     assert plan_launch(1, [4096], 8192, 2) == plan_launch(1, [4096], 8192, 2)  # deterministic
     assert plan_launch(1, [4096], 8192, 2, split_k=1).split_k == 1
     assert plan_launch(3, [4096], 8192, 2, split_k=7, block_n=32).block_n == 32
@@ -417,10 +417,10 @@ def test_gpu_plans_fill_the_machine():
 
 
 
-def test_fp8_plans_at_33_to_64_rows_take_one_wave(monkeypatch):
+def test_fp8_plans_at_17_to_64_rows_take_one_wave(monkeypatch):
     """FP8 weights at BLOCK_M 64 (2 programs per SM on 132 SMs: 264 slots): ungated calls launch at most one
-    wave (128-column tiles where 64-column ones alone exceed it), under-filled ones split further; with
-    `ONE_WAVE` off, the plans before."""
+    wave (128-column tiles where 64-column ones alone exceed it), under-filled ones split further; at BLOCK_M
+    32 (3 per SM: 396 slots) ungated calls fill up to one wave; with `ONE_WAVE` off, the plans before."""
     import glm5next.kernels.linear as plans
 
     def programs(plan, ns):
@@ -449,9 +449,17 @@ def test_fp8_plans_at_33_to_64_rows_take_one_wave(monkeypatch):
         assert old["dsa_q_b"].block_n == 64 and old["dsa_o_proj"].split_k == 5 and old["dense_down"].split_k == 5
         assert old["dense_gate_up"] == got["dense_gate_up"]
         assert old["shared_down"].split_k == 1 and old["dsa_group"].split_k < got["dsa_group"].split_k
-    # not at 17-32 rows, nor for BF16 weights, nor on the CPU
-    for m in (17, 32):
-        assert plan_launch(m, [4096], 16384, 1).split_k == 5
+    for m in (17, 24, 32):
+        got = {name: plan_launch(m, ns, k, 1, gated=gated) for name, (ns, k, gated) in shapes.items()}
+        assert all(p.block_m == 32 and p.block_n == 64 for p in got.values())
+        assert all(programs(got[name], ns) <= 3 * 132 for name, (ns, k, gated) in shapes.items() if not gated)
+        assert got["dsa_o_proj"].split_k == 6 and got["dense_down"].split_k == 6  # 384 programs, not 320
+        monkeypatch.setattr(plans, "ONE_WAVE", False)
+        old = {name: plan_launch(m, ns, k, 1, gated=gated) for name, (ns, k, gated) in shapes.items()}
+        monkeypatch.setattr(plans, "ONE_WAVE", True)
+        assert old["dsa_o_proj"].split_k == 5 and old["dense_down"].split_k == 5
+        assert all(old[name] == got[name] for name in shapes if name not in ("dsa_o_proj", "dense_down"))
+    # not for BF16 weights, nor on the CPU
     assert plan_launch(64, [4096], 8192, 2).split_k == 4 and plan_launch(64, [20480], 1536, 2).block_n == 64
     assert plan_launch(64, [20480], 1536, 1, device_type="cpu", sms=4).block_n == 64
 

@@ -35,6 +35,7 @@ def weights():
                 bf16(128, HIDDEN, g), bf16(128, HIDDEN, g)],
         "dsa": [fp8(1536, HIDDEN, g), fp8(512, HIDDEN, g), fp8(128, HIDDEN, g), bf16(32, HIDDEN, g)],
         "o_proj": bf16(HIDDEN, 8192, g),
+        "q_b": fp8(20480, 1536, g),  # the DSA q_b with the indexer's wq_b: at 33-64 rows 128-column tiles
         "dense_gate": fp8(12288, HIDDEN, g),
         "dense_up": fp8(12288, HIDDEN, g),
         "dense_down": fp8(HIDDEN, 12288, g),
@@ -66,6 +67,8 @@ def calls(w):
                       lambda x: linear_multi_reference(x, w["dsa"]), HIDDEN),
         "o_proj": (lambda x, **kw: skinny_linear(x, *w["o_proj"], **kw),
                    lambda x: linear_reference(x, *w["o_proj"]), 8192),
+        "q_b": (lambda x, **kw: skinny_linear(x, *w["q_b"], **kw),
+                lambda x: linear_reference(x, *w["q_b"]), 1536),
         "dense_gate_up": (lambda x, **kw: gate_up_swiglu(x, *dg, *du, 10.0, **kw),
                           lambda x: gate_up_swiglu_reference(x, *dg, *du, 10.0), HIDDEN),
         "dense_down": (lambda x, **kw: skinny_linear(x, *w["dense_down"], **kw),
@@ -77,7 +80,7 @@ def calls(w):
     }
 
 
-NAMES = ["kda_multi", "dsa_multi", "o_proj", "dense_gate_up", "dense_down", "shared_gate_up", "shared_down"]
+NAMES = ["kda_multi", "dsa_multi", "o_proj", "q_b", "dense_gate_up", "dense_down", "shared_gate_up", "shared_down"]
 
 
 def as_list(y):

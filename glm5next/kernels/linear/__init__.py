@@ -67,11 +67,12 @@ its wait (`LaunchPlan.hold`); "warps-8" runs 8 warps per program."""
 PDL = False
 """Whether plans launch as programmatic dependents when the caller does not say (`pdl` None)."""
 ONE_WAVE = True
-"""FP8 weights at 33-64 rows (BLOCK_M 64, where a program takes 96-104 KB of shared memory, so 2 fit an SM):
-ungated calls split down to at most one wave of 2 programs per SM, with 128-column tiles where 64-column
-ones alone would pass it, and every call's split may carry fp32 partials up to half the weight bytes
-(instead of a quarter). False: the rules before (split rounded up to about 2 programs per SM, 64-column
-tiles, a quarter), which the sweep's "two-waves" variant restores."""
+"""FP8 weights at 17-64 rows, ungated calls: split down to at most one wave, of 3 programs per SM at 17-32
+rows (BLOCK_M 32: 64 KB of shared memory and at most 168 registers a thread each) and of 2 at 33-64 rows
+(BLOCK_M 64: 96-112 KB each), with 128-column tiles at 33-64 rows where 64-column ones alone would pass a
+wave; at 33-64 rows every call's split may also carry fp32 partials up to half the weight bytes (instead of
+a quarter). False: the rules before (split rounded up to about 2 programs per SM, 64-column tiles, a
+quarter), which the sweep's "two-waves" variant restores."""
 _SMS: dict[int | None, int] = {}
 _FLOAT = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -102,7 +103,7 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
     SM. FP8 weights meet 16-bit activations in fp16 products at BLOCK_M 16 (up to 16 rows; `half`
     None), where the H200 sweep measured them 1.3x faster than bf16 products, and at BLOCK_M 32 for
     weights of at least 24 Mi elements (gate and up counted both); at 64 rows they were slower. FP8 weights
-    at 33-64 rows (BLOCK_M 64) fill at most one wave where ungated and may split further (`ONE_WAVE`). Where
+    at 17-64 rows fill at most one wave where ungated, and at 33-64 rows may split further (`ONE_WAVE`). Where
     all weights are FP8 and the products fp16 (mode None), the weight tiles come through tensor
     descriptors ("tma") and a gated call takes half the split: the H200 sweep of 2026-12-04 measured
     the dense gate|up at 1-16 rows 37 -> 33 us, the other shapes equal or up to 4 % faster.
@@ -139,12 +140,12 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
         if block_k not in (32, 64, 128, 256) or not use_dot:
             raise ValueError(f"block_k must be 32, 64, 128 or 256 (dot mode), got {block_k}")
         bk = block_k
-    # FP8 weights at 33-64 rows (see ONE_WAVE): 2 programs per SM, and a second, partial wave would leave
-    # the machine to its last few programs.
-    fp8_wave = gpu and ONE_WAVE and weight_bytes == 1 and use_dot and bm >= 64
+    # FP8 weights at 17-64 rows (see ONE_WAVE): 3 or 2 programs per SM, and a second, partial wave would
+    # leave the machine to its last few programs.
+    fp8_wave = gpu and ONE_WAVE and weight_bytes == 1 and use_dot and bm >= 32
     if block_n is None:
         block_n = 64 if wide else 32
-        if fp8_wave and not gated and sum(triton.cdiv(n, 64) for n in ns) > 2 * sms:
+        if fp8_wave and bm >= 64 and not gated and sum(triton.cdiv(n, 64) for n in ns) > 2 * sms:
             block_n = 128  # e.g. the DSA q_b, 320 tiles of 64 (the H200 sweep of 2026-12-03 at 64 rows: 31.2 -> 28.8 us)
     elif block_n not in (16, 32, 64, 128):
         raise ValueError(f"block_n must be 16, 32, 64 or 128, got {block_n}")
@@ -172,8 +173,9 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
         elif fp8_wave and not gated:
             # At most one wave: the H200 sweeps of 2026-12-03/04 at 64 rows timed the DSA o_proj and the dense
             # down, each 64 tiles of 64 split 5 (320 programs, 1.2 waves), at 66.6 / 50.7 us, and the same
-            # weights in one wave (128-column tiles, 256 / 192 programs) at 45.7 / 42.0 us.
-            want = max(1, 2 * sms // tiles)
+            # weights in one wave (128-column tiles, 256 / 192 programs) at 45.7 / 42.0 us. At 17-32 rows the
+            # same launches fit 3 programs per SM (6 splits, as at 1-16 rows, where 6 beat 5).
+            want = max(1, (3 if bm == 32 else 2) * sms // tiles)
         elif gpu and weight_bytes == 2:
             # BF16 weights: about 2 programs per SM, rounded down. A round-up past the 2 per SM that
             # their shared memory allows starts a second wave: the H200 sweep of 2026-12-04 timed the KDA
@@ -183,7 +185,7 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
             want = triton.cdiv(2 * sms, tiles)
         # fp32 partials within a quarter of the weight bytes (half for FP8 weights at 33-64 rows, where a
         # quarter left the DSA group 70 programs: twice its split took 18.5 -> 15.8 us in the 2026-12-03 sweep)
-        traffic_cap = max(1, K * weight_bytes // ((16 if fp8_wave else 32) * M))
+        traffic_cap = max(1, K * weight_bytes // ((16 if fp8_wave and bm >= 64 else 32) * M))
         split = max(1, round(max(1, min(want, k_iters // (4 if gpu else 1), traffic_cap, 16)) * split_factor))
     elif split_k < 1:
         raise ValueError(f"split_k must be positive, got {split_k}")
