@@ -556,3 +556,56 @@ def test_triton_cache_round_trip_keeps_what_a_hit_reads(tmp_path):
     small = tmp_path / "small"
     tc.unpack(str(archive), str(small))
     assert "HASH0" not in os.listdir(small)
+
+
+def test_stage_targets_report_each_token_count_against_its_goal():
+    """The step benchmark's target report: the boundary at up to 8 tokens against 8 µs, the KDA stage against
+    stock (cuBLAS) in the same graph, the dense MLP against 80 %; stages that ran stock are left out."""
+    from glm5next.bench.cli import format_table
+    from glm5next.bench.specialized import format_targets, stage_targets
+
+    def step(m, boundary_us, kda_us, mlp_frac):
+        return {"tokens": m, "stages": [
+            {"stage": "boundary", "choice": "fused", "us": boundary_us, "stock_us": 250.0},
+            {"stage": "kda_proj", "choice": "grouped", "us": kda_us, "stock_us": 100.0},
+            {"stage": "dense_mlp", "choice": "fused", "us": 50.0, "bw_fraction": mlp_frac, "stock_us": 1500.0},
+            {"stage": "logits_head", "choice": "stock", "stock_us": 300.0}]}
+
+    steps = [step(1, 7.9, 99.0, 0.81), step(8, 10.4, 101.0, 0.79), step(16, 12.0, 90.0, 0.5)]
+    got = stage_targets(steps)
+    by = {(t["stage"], t["tokens"]): t for t in got}
+    assert set(by) == {("boundary", 1), ("boundary", 8), ("kda_proj", 1), ("kda_proj", 8), ("kda_proj", 16),
+                       ("dense_mlp", 1), ("dense_mlp", 8), ("dense_mlp", 16)}
+    assert by["boundary", 1]["met"] and not by["boundary", 8]["met"] and by["boundary", 8]["goal"] == 8.0
+    assert by["kda_proj", 1]["met"] and not by["kda_proj", 8]["met"] and by["kda_proj", 8]["goal"] == 100.0
+    assert by["dense_mlp", 1]["met"] and not by["dense_mlp", 8]["met"] and not by["dense_mlp", 16]["met"]
+    lines = format_targets(got)
+    assert len(lines) == 3
+    assert "met at 1; not at 8 (10.4 us against 8.0 us)" in lines[0]
+    assert "met at 1, 16; not at 8 (101.0 us against 100.0 us)" in lines[1]
+    assert "met at 1; not at 8 (79.0 % against 80.0 %), 16 (50.0 % against 80.0 %)" in lines[2]
+    result = {"mode": "specialized", "slice": "real", "device": "GPU", "torch": "t", "triton": "t", "date": "d",
+              "context": 0, "bandwidth": {"bytes_per_s": 4e12}, "steps": [], "targets": got}
+    assert format_table(result).splitlines()[-3:] == lines
+
+
+def test_sweep_launch_targets_take_the_default_launch_of_groups_and_fp8_weights():
+    """The sweep's target report: the default launch ("heuristic", weights rotated past L2) of the one-launch
+    groups and of every FP8 case against 85 %; other variants, resident timings, BF16 singles and boundary rows
+    are not targets."""
+    from glm5next.bench.specialized import format_targets
+    from glm5next.bench.sweep import launch_targets
+
+    rows = [dict(case="dsa_group", m=1, variant="heuristic", bw_fraction=0.25, resident=False),
+            dict(case="kda_group", m=1, variant="heuristic", bw_fraction=0.9, resident=False),
+            dict(case="dense_gate_up", m=1, variant="heuristic", bw_fraction=0.78, resident=False),
+            dict(case="dense_gate_up", m=1, variant="pdl", bw_fraction=0.99, resident=False),
+            dict(case="dense_down", m=16, variant="heuristic", bw_fraction=0.9, resident=True),
+            dict(case="kda_o_proj", m=1, variant="heuristic", bw_fraction=0.7, resident=False),
+            dict(case="boundary", t=1, variant="heuristic", us=8.0)]
+    got = launch_targets(rows)
+    assert [(t["case"], t["met"]) for t in got] == [("dsa_group", False), ("kda_group", True),
+                                                     ("dense_gate_up", False)]
+    lines = format_targets(got, key="at")
+    assert lines[0].endswith("met at kda_group M=1; not at dsa_group M=1 (25.0 % against 85.0 %)")
+    assert lines[1].endswith("met nowhere; not at dense_gate_up M=1 (78.0 % against 85.0 %)")

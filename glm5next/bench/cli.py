@@ -142,6 +142,10 @@ def format_table(result: dict) -> str:
             lines.append(f"  M={r['tokens']:<3} {st['stage']:14s} {st['choice']:8s} "
                          + (f"{st['us']:9.1f} us {100 * st['bw_fraction']:5.1f} % | " if "us" in st else " " * 22)
                          + f"stock {st['stock_us']:9.1f} us {100 * st['stock_bw_fraction']:5.1f} %")
+    if result.get("targets"):
+        from .specialized import format_targets
+
+        lines += format_targets(result["targets"])
     if result.get("e2e"):
         lines.append(f"{'conc':>4} {'out tok':>8} {'seconds':>8} {'tok/s':>9} {'TPOT ms':>8} {'TTFT ms':>8}")
         for r in result["e2e"]:
