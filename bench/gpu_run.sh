@@ -8,7 +8,8 @@
 #       | ncu[:CASE,CASE,...] (Nsight Compute over glm5next.bench.profile_kernels' cases, e.g. ncu:dsa_group:1,boundary:8)
 # (SWEEP_ARGS adds options to the sweep, e.g. "--skip-probe --variants heuristic,swap"; NCU_ARGS to the profiled script,
 # e.g. "--variant bn32"; for two sweeps with different options, run this script twice in one call, with TRITON_PACK=0
-# on all but the last: a step whose log an earlier one left takes the next free name, sweep-2.log, sweep-2.json.)
+# on all but the last: a step whose log an earlier one left takes the next free name, sweep-2.log, sweep-2.json;
+# BUNDLE=1 on the last packs every log and JSON of the call into $OUT/results.tar.xz.)
 # Each step writes its log (and JSON) under $OUT and gets its own time limit, so one slow step
 # leaves the others' results. Triton's compiled kernels go to $TRITON_CACHE_DIR (default
 # .triton-cache in this tree, ignored by git), so a later call on the same machine skips compiling.
@@ -28,6 +29,12 @@ done
 pack_cache() {
     [ "${TRITON_PACK:-1}" = 0 ] || [ ! -d "$TRITON_CACHE_DIR" ] ||
         python bench/triton_cache.py pack "$TRITON_CACHE_DIR" "$OUT/triton-cache.tar.xz"
+    # BUNDLE=1: every other file under $OUT (this and earlier runs of the script in the call) into one
+    # results.tar.xz, since a device call brings back at most 8 files.
+    if [ "${BUNDLE:-0}" = 1 ]; then
+        (cd "$OUT" && find . -maxdepth 1 -type f ! -name 'triton-cache*.tar.xz' ! -name 'results*.tar.xz' ! -name .bundle \
+            -printf '%P\n' | sort > .bundle && tar -cJf results.tar.xz -T .bundle && xargs rm -f < .bundle; rm -f .bundle)
+    fi
 }
 trap pack_cache EXIT
 

@@ -52,6 +52,7 @@ VARIANTS = {
     "tma-split-half": dict(mode="tma", split_factor=0.5),
     "tma-bf16": dict(mode="tma", half=False),
     "x16": dict(x16=True),
+    "fp16-x16": dict(half=True, x16=True),
     "pdl": dict(pdl=True),
     "pdl-split-half": dict(pdl=True, split_factor=0.5),
     "pdl-split-2x": dict(pdl=True, split_factor=2),
@@ -77,7 +78,7 @@ weights at up to 16 rows, their tiles through tensor descriptors), "dot" the sam
 weights only: skipped for BF16 cases), "swap*" multiply W @ x.T (the weight tile as the left, register
 operand), "tma*" load FP8 weight tiles through tensor descriptors,
 "x16" gives the products an fp16 copy of x made beforehand (FP8 cases only; what a producer
-writing it beside x would save each program), "pdl*" launch as programmatic
+writing it beside x would save each program), "fp16-x16" fp16 products from such a copy at every row count, "pdl*" launch as programmatic
 dependents (the weight prefetch capped by `SETTINGS`; "pdl-late" releases the next launch only after
 the products; "pdl-hold*" hold the first 4 / 2 K steps' weight tiles in registers before the wait, with
 "-split-2x" twice the split so that every step of a program is held more often), "bn*" narrower output tiles (more programs on small matrices), "two-waves" the plans of FP8 weights at 33-64
