@@ -459,7 +459,8 @@ def test_fp8_plans_at_17_to_64_rows_take_one_wave(monkeypatch):
         monkeypatch.setattr(plans, "ONE_WAVE", True)
         assert old["dsa_o_proj"].split_k == 5 and old["dense_down"].split_k == 5
         assert all(old[name] == got[name] for name in shapes if name not in ("dsa_o_proj", "dense_down"))
-    # not for BF16 weights, nor on the CPU
+    # not for BF16 weights, fp32 activations (more shared memory a program), nor on the CPU
+    assert plan_launch(32, [4096], 16384, 1, x_bytes=4).split_k == 5
     assert plan_launch(64, [4096], 8192, 2).split_k == 4 and plan_launch(64, [20480], 1536, 2).block_n == 64
     assert plan_launch(64, [20480], 1536, 1, device_type="cpu", sms=4).block_n == 64
 

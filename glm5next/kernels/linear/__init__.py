@@ -67,7 +67,7 @@ its wait (`LaunchPlan.hold`); "warps-8" runs 8 warps per program."""
 PDL = False
 """Whether plans launch as programmatic dependents when the caller does not say (`pdl` None)."""
 ONE_WAVE = True
-"""FP8 weights at 17-64 rows, ungated calls: split down to at most one wave, of 3 programs per SM at 17-32
+"""FP8 weights against 16-bit activations at 17-64 rows, ungated calls: split down to at most one wave, of 3 programs per SM at 17-32
 rows (BLOCK_M 32: 64 KB of shared memory and at most 168 registers a thread each) and of 2 at 33-64 rows
 (BLOCK_M 64: 96-112 KB each), with 128-column tiles at 33-64 rows where 64-column ones alone would pass a
 wave; at 33-64 rows every call's split may also carry fp32 partials up to half the weight bytes (instead of
@@ -140,13 +140,14 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
         if block_k not in (32, 64, 128, 256) or not use_dot:
             raise ValueError(f"block_k must be 32, 64, 128 or 256 (dot mode), got {block_k}")
         bk = block_k
-    # FP8 weights at 17-64 rows (see ONE_WAVE): 3 or 2 programs per SM, and a second, partial wave would
-    # leave the machine to its last few programs.
-    fp8_wave = gpu and ONE_WAVE and weight_bytes == 1 and use_dot and bm >= 32
+    # FP8 weights at 17-64 rows against 16-bit activations (see ONE_WAVE): 3 or 2 programs per SM, and a
+    # second, partial wave would leave the machine to its last few programs.
+    fp8_wave = gpu and ONE_WAVE and weight_bytes == 1 and x_bytes == 2 and use_dot and bm >= 32
     if block_n is None:
         block_n = 64 if wide else 32
         if fp8_wave and bm >= 64 and not gated and sum(triton.cdiv(n, 64) for n in ns) > 2 * sms:
-            block_n = 128  # e.g. the DSA q_b, 320 tiles of 64 (the H200 sweep of 2026-12-03 at 64 rows: 31.2 -> 28.8 us)
+            # e.g. the DSA q_b, 320 tiles of 64 (the H200 sweep of 2026-12-03 at 64 rows: 31.2 -> 28.8 us)
+            block_n = 128
     elif block_n not in (16, 32, 64, 128):
         raise ValueError(f"block_n must be 16, 32, 64 or 128, got {block_n}")
     bn = min(block_n, max(16, triton.next_power_of_2(max(ns))))
