@@ -81,7 +81,7 @@ operand), "tma*" load FP8 weight tiles through tensor descriptors,
 writing it beside x would save each program), "fp16-x16" fp16 products from such a copy at every row count, "pdl*" launch as programmatic
 dependents (the weight prefetch capped by `SETTINGS`; "pdl-late" releases the next launch only after
 the products; "pdl-hold*" hold the first 4 / 2 K steps' weight tiles in registers before the wait, with
-"-split-2x" twice the split so that every step of a program is held more often), "bn*" narrower output tiles (more programs on small matrices), "two-waves" the plans of FP8 weights at 33-64
+"-split-2x" twice the split so that every step of a program is held more often), "bn*" narrower output tiles (more programs on small matrices), "two-waves" the plans of FP8 weights at 17-64
 rows before `ONE_WAVE` (the default launch elsewhere), "split-N" exactly N K
 splits (fewer where N exceeds the K steps), "warps-8*" 8 warps per program (more independent warps
 per scheduler), "stages-N*" N pipeline stages (less shared memory per program, so more programs per SM,

@@ -67,12 +67,12 @@ its wait (`LaunchPlan.hold`); "warps-8" runs 8 warps per program."""
 PDL = False
 """Whether plans launch as programmatic dependents when the caller does not say (`pdl` None)."""
 ONE_WAVE = True
-"""FP8 weights against 16-bit activations at 17-64 rows, ungated calls: split down to at most one wave, of 3 programs per SM at 17-32
-rows (BLOCK_M 32: 64 KB of shared memory and at most 168 registers a thread each) and of 2 at 33-64 rows
-(BLOCK_M 64: 96-112 KB each), with 128-column tiles at 33-64 rows where 64-column ones alone would pass a
-wave; at 33-64 rows every call's split may also carry fp32 partials up to half the weight bytes (instead of
-a quarter). False: the rules before (split rounded up to about 2 programs per SM, 64-column tiles, a
-quarter), which the sweep's "two-waves" variant restores."""
+"""FP8 weights against 16-bit activations at 17-64 rows, ungated calls: split down to at most one wave, of
+3 programs per SM at 17-32 rows (BLOCK_M 32: 64 KB of shared memory and at most 168 registers a thread
+each) and of 2 at 33-64 rows (BLOCK_M 64: 96-112 KB each), with 128-column tiles at 33-64 rows where
+64-column ones alone would pass a wave; at 33-64 rows every call's split may also carry fp32 partials up to
+half the weight bytes (instead of a quarter). False: the rules before (split rounded up to about 2
+programs per SM, 64-column tiles, a quarter), which the sweep's "two-waves" variant restores."""
 _SMS: dict[int | None, int] = {}
 _FLOAT = (torch.bfloat16, torch.float16, torch.float32)
 
