@@ -367,7 +367,7 @@ def test_boundary_sweep_sets_each_tiling_during_its_launches(monkeypatch):
     monkeypatch.setattr(sweep, "boundary_state", lambda T, device: (None,) * 4)
     monkeypatch.setattr(sweep, "mhc_boundary", lambda *a, **k: seen.append(
         (k["block_t"], k["chunk"], sweep.boundary_kernels.FINISH_BY_TOKEN, sweep.boundary_kernels.NUM_WARPS)))
-    rows = sweep.sweep_boundary("cpu", [2], 1, block_ts=(1, 2, 4), chunks=(32,), warps=(4, 8))
+    rows = sweep.sweep_boundary("cpu", [2], 1, block_ts=(1, 2, 4), chunks=(32,), warps=(4, 8), finish_scalar=(False,))
     assert [r["variant"] for r in rows] == ["bt1-c32", "bt1-c32-w8", "bt2-c32", "bt2-c32-w8", "bt2-c32-token",
                                             "bt2-c32-token-w8"]
     assert sorted(set(seen)) == [(1, 32, False, 4), (1, 32, False, 8), (2, 32, False, 4), (2, 32, False, 8),
@@ -386,11 +386,13 @@ def test_boundary_sweep_times_deferral_when_asked(monkeypatch):
     monkeypatch.setattr(sweep, "boundary_state", lambda T, device: (None,) * 4)
     monkeypatch.setattr(sweep, "mhc_boundary", lambda *a, **k: seen.append(
         (k["chunk"], k["defer_sinkhorn"], k["comb_pending"])))
-    rows = sweep.sweep_boundary("cpu", [1], 1, block_ts=(1,), chunks=(32, 64), deferred=(False, True))
+    rows = sweep.sweep_boundary("cpu", [1], 1, block_ts=(1,), chunks=(32, 64), deferred=(False, True),
+                                finish_scalar=(False,))
     assert [r["variant"] for r in rows] == ["bt1-c32", "bt1-c32-deferred", "bt1-c64", "bt1-c64-deferred"]
     assert sorted(set(seen)) == [(32, False, False), (32, True, True), (64, False, False), (64, True, True)]
     seen.clear()
-    assert [r["variant"] for r in sweep.sweep_boundary("cpu", [1], 1, block_ts=(1,), chunks=(32,))] == ["bt1-c32"]
+    assert [r["variant"] for r in sweep.sweep_boundary("cpu", [1], 1, block_ts=(1,), chunks=(32,),
+                                                       finish_scalar=(False,))] == ["bt1-c32"]
     assert set(seen) == {(32, False, False)}
 
 
@@ -462,17 +464,20 @@ def test_boundary_sweep_times_contraction_when_asked(monkeypatch):
     monkeypatch.setattr(sweep, "boundary_mixer", lambda device: (None, None, None))
     monkeypatch.setattr(sweep, "boundary_state", lambda T, device: (None,) * 4)
     monkeypatch.setattr(sweep, "mhc_boundary", lambda *a, **k: seen.append((k["chunk"], boundary_kernels.FP_FUSION)))
-    rows = sweep.sweep_boundary("cpu", [1], 1, block_ts=(1,), chunks=(32,), fp_fusion=(False, True))
+    rows = sweep.sweep_boundary("cpu", [1], 1, block_ts=(1,), chunks=(32,), fp_fusion=(False, True),
+                                finish_scalar=(False,))
     assert [r["variant"] for r in rows] == ["bt1-c32", "bt1-c32-contracted"]
     assert sorted(set(seen)) == [(32, False), (32, True)]
     assert boundary_kernels.FP_FUSION is False
 
 
 def test_boundary_sweep_times_the_scalar_finisher_on_one_token_blocks(monkeypatch):
-    """`finish_scalar` (False, True): one-token-block tilings once as shipped and once with the scalar
-    finisher; blocks of several tokens only as shipped; the module's setting restored afterwards."""
+    """`finish_scalar` (False, True): one-token-block tilings once with the tile finisher and once with the
+    scalar one; blocks of several tokens only as shipped; the module's setting restored afterwards."""
     import glm5next.bench.sweep as sweep
     import glm5next.kernels.boundary as boundary_kernels
+
+    shipped = boundary_kernels.FINISH_SCALAR
 
     seen = []
     monkeypatch.setattr(sweep, "_time", lambda fn, calls, replays: fn() or 1.0)
@@ -482,8 +487,11 @@ def test_boundary_sweep_times_the_scalar_finisher_on_one_token_blocks(monkeypatc
                         lambda *a, **k: seen.append((k["block_t"], boundary_kernels.FINISH_SCALAR)))
     rows = sweep.sweep_boundary("cpu", [2], 1, block_ts=(1, 2), chunks=(32,), finish_scalar=(False, True))
     assert [r["variant"] for r in rows] == ["bt1-c32", "bt1-c32-scalar", "bt2-c32", "bt2-c32-token"]
-    assert sorted(set(seen)) == [(1, False), (1, True), (2, False)]
-    assert boundary_kernels.FINISH_SCALAR is False
+    assert sorted(set(seen)) == [(1, False), (1, True), (2, shipped)]
+    assert boundary_kernels.FINISH_SCALAR is shipped
+    seen.clear()
+    rows = sweep.sweep_boundary("cpu", [1], 1, block_ts=(1,), chunks=(32,))  # default: as shipped
+    assert set(seen) == {(1, shipped)} and rows[0]["variant"] == "bt1-c32" + ("-scalar" if shipped else "")
 
 
 def test_tune_merge_keeps_the_sizes_not_measured():

@@ -184,7 +184,8 @@ def test_deferred_sinkhorn_chain_equals_the_plain_chain(monkeypatch, T, D, regis
     """first -> boundary -> boundary -> last with every comb left pending (one Sinkhorn iteration) and
     finished by the next launch's chunk programs: the same streams, post, x and hidden states as the
     plain chain (bit for bit on the register path, which runs the same iterations on the same values;
-    "scalar": that path with the scalar finisher where the blocks hold one token), each pending comb
+    "scalar": that path with the scalar finisher where the blocks hold one token, at chunks of 32 columns,
+    where the deferred launches take it too), each pending comb
     the reference's, and finishing it gives the plain comb."""
     monkeypatch.setattr(fused, "SINKHORN_IN_REGISTERS", bool(registers))
     monkeypatch.setattr(fused, "FINISH_SCALAR", registers == "scalar")
@@ -196,7 +197,10 @@ def test_deferred_sinkhorn_chain_equals_the_plain_chain(monkeypatch, T, D, regis
 
     def chain(mod, deferred):
         pend = dict(comb_pending=True) if deferred else {}
-        res = [mod.mhc_first(emb, *_mixer(hcs[0]), norm_w, **KW, **({"defer_sinkhorn": True} if deferred else {}))]
+        if registers == "scalar" and mod is fused:
+            pend["chunk"] = 32
+        res = [mod.mhc_first(emb, *_mixer(hcs[0]), norm_w, **KW, **({"chunk": 32} if "chunk" in pend else {}),
+                             **({"defer_sinkhorn": True} if deferred else {}))]
         for i in (1, 2):
             s, p, c, _ = res[-1]
             bufs = _nan_buffers(T, D, torch.float32) if mod is fused else {}  # every output written
@@ -281,7 +285,7 @@ def test_gpu_chunk_by_token_count():
     sizes = (1, 2, 4, 5, 6, 7, 8, 9, 16, 17, 24, 25, 32, 33, 48, 49, 64)
     plans = {T: fused.plan(T, 4096, N, on_gpu=True) for T in sizes}
     chunk = {T: p["SUB"] * p["NSUB"] for T, p in plans.items()}
-    assert chunk == {1: 64, 2: 32, 4: 32, 5: 64, 6: 64, 7: 64, 8: 64, 9: 128, 16: 128, 17: 128, 24: 128,
+    assert chunk == {1: 32, 2: 32, 4: 32, 5: 64, 6: 64, 7: 64, 8: 64, 9: 128, 16: 128, 17: 128, 24: 128,
                      25: 256, 32: 256, 33: 128, 48: 128, 49: 256, 64: 256}
     assert {T: p["BT"] for T, p in plans.items()} == {T: 1 if T <= 16 else 2 for T in sizes}
     p = fused.plan(4, 4096, N, on_gpu=True, chunk=128)
@@ -352,15 +356,18 @@ def test_scalar_finisher_of_one_token_blocks(monkeypatch, T, D, dtype):
     """`FINISH_SCALAR`: one-token blocks (the GPU's form up to 16 tokens) on the register path finish
     with the mixer's outputs as scalars: the boundary and the first layer match the reference with
     NaN-filled outputs (and their x16 is x in fp16), the tile finisher within rounding; the last layer
-    and blocks of several tokens keep the tile finisher."""
+    and blocks of several tokens keep the tile finisher, deferred Sinkhorn does at chunks above 32."""
     monkeypatch.setattr(fused, "SINKHORN_IN_REGISTERS", True)
     out, streams, post, comb, hc, norm_w = _case(T, D, dtype, seed=61)
+    monkeypatch.setattr(fused, "FINISH_SCALAR", False)
     tile = fused.mhc_boundary(out, streams, post, comb, *_mixer(hc), norm_w, **KW, block_t=1)
     monkeypatch.setattr(fused, "FINISH_SCALAR", True)
     p = fused.plan(T, D, N, False, block_t=1)
     assert fused.finishes_by_scalars(p, 0, N, D) and fused.finishes_by_scalars(p, 1, N, D)
     assert not fused.finishes_by_scalars(p, 2, N, D) and not fused.finishes_by_scalars(p, 0, 2, D)
     assert not fused.finishes_by_scalars(fused.plan(T, D, N, False, block_t=2), 0, N, D)
+    assert not fused.finishes_by_scalars(fused.plan(T, D, N, False, block_t=1, chunk=64), 0, N, D, defer=True)
+    assert fused.finishes_by_scalars(fused.plan(T, D, N, False, block_t=1, chunk=32), 0, N, D, defer=True)
     tol = 1e-5 if dtype == torch.float32 else 3 * 2.0**-7
     x16 = torch.full((T, D), float("nan"), dtype=torch.float16)
     got = fused.mhc_boundary(out, streams, post, comb, *_mixer(hc), norm_w, **KW, block_t=1, x16=x16,

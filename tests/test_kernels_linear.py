@@ -242,6 +242,38 @@ def test_fp16_products_are_the_default_for_fp8_up_to_16_rows():
     assert not plan_launch(8, **fp8, half=False).half and plan_launch(64, **fp8, half=True).half
 
 
+def test_fp16_products_from_a_given_copy_for_ungated_fp8_at_17_to_64_rows():
+    """With an fp16 copy of x given (`x16`), ungated FP8 launches take fp16 products (and tensor
+    descriptors) at 17-64 rows whatever their size; gated ones, BF16 weights, fp32 activations and
+    `half=False` keep their plans. `skinny_linear` given a copy launches so, and equals the reference at
+    40 rows with a NaN-filled output."""
+    fp8 = dict(ns=[4096], K=4096, weight_bytes=1)
+    for m in (17, 32, 33, 64):
+        assert not plan_launch(m, **fp8).half and plan_launch(m, **fp8, x16=True).half
+        assert plan_launch(m, **fp8, x16=True).tma and plan_launch(m, [64, 128], 4096, 1, x16=True).half
+        assert not plan_launch(m, [1024], 4096, 1, gated=True, x16=True).half
+        assert not plan_launch(m, [4096], 4096, 2, x16=True).half
+        assert not plan_launch(m, **fp8, x16=True, half=False).half
+    assert not plan_launch(m, **fp8, x16=True, x_bytes=4).half
+    assert not plan_launch(33, [3072], 4096, 1, gated=True, x16=True).half  # 24 Mi gated: only up to 32 rows
+    assert plan_launch(32, [3072], 4096, 1, gated=True).half
+    g = torch.Generator().manual_seed(1740)
+    w, s = make_weight("fp8", 150, 272, g)
+    x = torch.randn(40, 272, generator=g).to(torch.bfloat16)
+    import glm5next.kernels.linear as linear
+
+    plans = []
+    real = linear.launch
+    try:
+        linear.launch = lambda *a: plans.append(a[4]) or real(*a)
+        y = skinny_linear(x, w, s, out=nan_out(40, 150, torch.bfloat16), x16=x.to(torch.float16))
+        skinny_linear(x, w, s)
+    finally:
+        linear.launch = real
+    assert [p.half for p in plans] == [True, False]
+    assert rel_err(y, linear_reference(x, w, s)) <= tol(torch.bfloat16)
+
+
 def test_tensor_descriptors_are_the_default_with_fp16_products():
     """Where FP8 weights meet fp16 products (mode None) the tiles come through tensor descriptors and a
     gated call halves the heuristic's split; elsewhere, or with an explicit mode, pointer loads."""
@@ -554,12 +586,15 @@ def test_out16_is_the_output_in_fp16(split_k):
 
 def test_reads_x16_where_the_products_are_fp16():
     """An x16 copy is worth writing for bf16 activations against FP8 weights where the default plan takes
-    fp16 products: up to 16 rows, and at 17-32 rows for weights of 24 Mi elements or more."""
+    fp16 products given the copy: up to 16 rows, ungated at 17-64 rows, gated at 17-32 rows for weights of
+    24 Mi elements or more."""
     fp8 = torch.empty(4096, 4096, dtype=torch.float8_e4m3fn)
     bf16 = torch.empty(4096, 4096, dtype=torch.bfloat16)
     assert reads_x16(1, [fp8], torch.bfloat16) and reads_x16(16, [fp8, fp8], torch.bfloat16)
-    assert not reads_x16(17, [fp8], torch.bfloat16) and reads_x16(17, [fp8, fp8], torch.bfloat16)
-    assert reads_x16(24, [fp8], torch.bfloat16, gated=True) and not reads_x16(33, [fp8, fp8], torch.bfloat16)
+    assert reads_x16(17, [fp8], torch.bfloat16) and reads_x16(64, [fp8, fp8], torch.bfloat16)
+    assert reads_x16(24, [fp8], torch.bfloat16, gated=True) and not reads_x16(33, [fp8], torch.bfloat16, gated=True)
+    small = torch.empty(1024, 4096, dtype=torch.float8_e4m3fn)
+    assert not reads_x16(24, [small], torch.bfloat16, gated=True) and reads_x16(24, [small], torch.bfloat16)
     assert not reads_x16(1, [fp8, bf16], torch.bfloat16) and not reads_x16(1, [bf16], torch.bfloat16)
     assert not reads_x16(1, [fp8], torch.float32) and not reads_x16(1, [fp8], torch.float16)
     assert not reads_x16(0, [fp8], torch.bfloat16) and not reads_x16(65, [fp8], torch.bfloat16)

@@ -121,13 +121,13 @@ def test_every_candidate_matches_reference(weights, name, candidate):
 
 
 @pytest.mark.parametrize("mode", [None, "tma"])
-@pytest.mark.parametrize("name", ["dense_gate_up", "dense_down", "shared_gate_up"])
+@pytest.mark.parametrize("name", ["dense_gate_up", "dense_down", "shared_gate_up", "o_proj", "dsa_multi"])
 def test_an_fp16_copy_of_x_matches(weights, name, mode):
     """`x16` (x in fp16 beforehand) where the products are fp16: the reference's result, and the launch
     without it to one bf16 step (the two compiled forms may contract differently), including a row
     beyond fp16's range, whose programs redo their share from the bf16 x."""
     fn, ref_fn, k = calls(weights)[name]
-    for m in (1, 16, 24, 32):
+    for m in (1, 16, 24, 32, 48, 64):
         x = make_x(m, k, seed=250 + m)
         if m == 16:
             x[3, 7] = 2.0**17
@@ -140,19 +140,21 @@ def test_an_fp16_copy_of_x_matches(weights, name, mode):
 
 def test_the_dense_mlp_through_fp16_copies(weights):
     """The gate|up writing its output in fp16 as well (`out16`, NaN-filled), which the down then reads
-    (`x16`): the copy is the output converted, the output and the down within one bf16 step of the launches
-    without copies, and the down within the reference's tolerance."""
+    (`x16`), with the default plans, as the executor launches them (fp16 products from the copies up to 32
+    rows; at 48-64 the gate|up in bf16 products, the down in fp16 ones from its copy): the copy is the
+    output converted, the output and the down within one bf16 step of the launches without copies, and the
+    down within the reference's tolerance."""
     (gw, gs), (uw, us), (dw, ds) = weights["dense_gate"], weights["dense_up"], weights["dense_down"]
-    for m in (1, 7, 16, 24, 32):
+    for m in (1, 7, 16, 24, 32, 48, 64):
         x = make_x(m, HIDDEN, seed=300 + m)
         x16 = x.to(torch.float16)
         h16 = torch.full((m, dw.shape[1]), float("nan"), dtype=torch.float16, device="cuda")
-        h = gate_up_swiglu(x, gw, gs, uw, us, 7.0, x16=x16, out16=h16, half=True)
+        h = gate_up_swiglu(x, gw, gs, uw, us, 7.0, x16=x16, out16=h16)
         assert torch.equal(h16, h.to(torch.float16))
-        plain = gate_up_swiglu(x, gw, gs, uw, us, 7.0, half=True)
+        plain = gate_up_swiglu(x, gw, gs, uw, us, 7.0)
         torch.testing.assert_close(h.float(), plain.float(), rtol=8e-3, atol=1e-3 * plain.float().abs().max().item())
-        y = skinny_linear(h, dw, ds, x16=h16, half=True)
-        want = skinny_linear(h, dw, ds, half=True)
+        y = skinny_linear(h, dw, ds, x16=h16)
+        want = skinny_linear(h, dw, ds)
         torch.testing.assert_close(y.float(), want.float(), rtol=8e-3, atol=1e-3 * want.float().abs().max().item())
         assert rel_err(y, linear_reference(h, dw, ds)) <= 2e-2, m
 

@@ -69,12 +69,13 @@ def plan(T: int, D: int, n: int, on_gpu: bool, block_t: int | None = None, chunk
     bt = _p2(block_t)
     if chunk is None:
         # H200 sweep of 2026-12-04 (64 boundaries in a row, programmatic launch, one token per
-        # program): chunk 32 at 2-4 tokens (8.22 us against 8.91 with 64 at T = 4), 64 at 1 and at
-        # 5-8 (10.53 us with 32 at T = 5: 640 programs no longer fit one wave; at T = 8 the kernel
-        # compiled without contraction took 0.5 us less with 64 than with 128, in two runs).
+        # program): chunk 32 at 2-4 tokens (8.22 us against 8.91 with 64 at T = 4), 64 at 5-8 (10.53 us
+        # with 32 at T = 5: 640 programs no longer fit one wave; at T = 8 the kernel compiled without
+        # contraction took 0.5 us less with 64 than with 128, in two runs). At 1 token 32 as well, with the
+        # scalar finisher (the sweep of 2026-12-05: 6.80 us against 7.65 with 64; 7.81 / 7.82 without it).
         # Two-token blocks: chunk 128 up to 24 tokens, 256 at 25-32 (T = 32: 15.94 us against 20.02 with
         # 128), 128 at 33-48 (T = 48: 20.78 us against 23.94 with 256), 256 at 64 (24.80 against 26.38).
-        chunk = (64 if T == 1 else 32 if T <= 4 else 64 if T <= 8 else 128 if T <= 24 else 256 if T <= 32
+        chunk = (32 if T <= 4 else 64 if T <= 8 else 128 if T <= 24 else 256 if T <= 32
                  else 128 if T <= 48 else 256) if on_gpu \
             else min(_p2(D), 1024)
     chunk = _p2(chunk)
@@ -95,12 +96,14 @@ def plan(T: int, D: int, n: int, on_gpu: bool, block_t: int | None = None, chunk
     )
 
 
-FINISH_SCALAR = False
+FINISH_SCALAR = True
 """Whether the finisher of a one-token block (n = 4, the GPU's register form of Sinkhorn, not the last
 layer) takes the mixer's outputs as scalars in every thread (`kernel._finish_token`) instead of small
-tiles whose every sum is a cross-lane reduction. Off until the H200 has timed it: the eighth session's
-timestamps put the finisher at 4.8 of the boundary's 8.3 us at one token. The tiling sweep times both
-(`--finish-scalar`), the tests check it on the CPU."""
+tiles whose every sum is a cross-lane reduction; with deferred Sinkhorn only at chunks of at most 32
+columns. The H200 sweep of 2026-12-05 (64 boundaries in a row, one token per program) timed it at 1 / 4
+/ 8 / 16 tokens, chunk 32: 7.81 -> 6.80, 8.71 -> 7.59, 11.64 -> 11.18, 19.33 -> 17.47 us; chunk 64:
+0.17-0.34 us faster, 128: within 0.1. Deferred, it won only at chunk 32 (0.5-0.9 us) and lost 0.1-0.6 us
+at 64 and 128 (`finishes_by_scalars`). The tiling sweep times both (`--finish-scalar`)."""
 
 FP_FUSION = False
 """Whether ptxas may contract a product and a following sum into an FMA. Off: each compiled form of
@@ -117,11 +120,13 @@ the mixer into L2 while the previous kernel finishes. None: wherever the device 
 sweep of 2026-12-04 timed 64 boundaries in a row at 8.6 -> 8.2 us each at 1 token, 11.6 -> 10.1 us at 8)."""
 
 
-def finishes_by_scalars(p: dict, mode: int, n: int, D: int) -> bool:
+def finishes_by_scalars(p: dict, mode: int, n: int, D: int, defer: bool = False) -> bool:
     """Whether a launch of plan `p` finishes with the mixer's outputs as scalars (`FINISH_SCALAR`): one
     token per block, n = 4, Sinkhorn in registers, the row in one finisher tile, a mixer (mode 0 the
-    boundary, 1 the first layer; not 2, the last layer)."""
-    return bool(FINISH_SCALAR) and mode != 2 and n == 4 and p["BT"] == 1 and p["SK4"] > 0 and p["FIN"] >= D
+    boundary, 1 the first layer; not 2, the last layer); where Sinkhorn is deferred (`defer`), only at
+    chunks of at most 32 columns."""
+    return (bool(FINISH_SCALAR) and mode != 2 and n == 4 and p["BT"] == 1 and p["SK4"] > 0 and p["FIN"] >= D
+            and (not defer or p["SUB"] * p["NSUB"] <= 32))
 
 
 def _launch(mode, out, streams, post, comb, fn, base, scale, w, new_streams, new_post, new_comb, x,
@@ -152,7 +157,7 @@ def _launch(mode, out, streams, post, comb, fn, base, scale, w, new_streams, new
     late = pdl == "late"
     pdl = want is not False and _pdl.enabled(out.device)
     stamped = _stamps.check(STAMPS, p["NC"] * nt, out.device)
-    scalar = finishes_by_scalars(p, mode, n, D)
+    scalar = finishes_by_scalars(p, mode, n, D, defer)
     mhc_kernel[(p["NC"], nt)](
         out, dummy if streams is None else streams, dummy if post is None else post,
         dummy if comb is None else comb, dummy if fn is None else fn, dummy if base is None else base,

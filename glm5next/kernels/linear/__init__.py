@@ -90,7 +90,7 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
                 mode: str | None = None, split_factor: float = 1, x_bytes: int = 2,
                 widest_bytes: int | None = None, block_k: int | None = None,
                 half: bool | None = None, pdl: bool | str | None = None, num_warps: int | None = None,
-                num_stages: int | None = None, hold: int | None = None) -> LaunchPlan:
+                num_stages: int | None = None, hold: int | None = None, x16: bool = False) -> LaunchPlan:
     """Launch parameters for M rows against weights with output widths `ns` and depth K
     (`weight_bytes`: the smallest weight element size; `widest_bytes`: the largest, default the same).
 
@@ -102,7 +102,8 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
     weights at up to 16 rows) as fit about 100 KB of shared memory, so two or more programs share an
     SM. FP8 weights meet 16-bit activations in fp16 products at BLOCK_M 16 (up to 16 rows; `half`
     None), where the H200 sweep measured them 1.3x faster than bf16 products, and at BLOCK_M 32 for
-    weights of at least 24 Mi elements (gate and up counted both); at 64 rows they were slower. FP8 weights
+    weights of at least 24 Mi elements (gate and up counted both); ungated FP8 launches at 17-64 rows take
+    them where an fp16 copy of x is given (`x16`: the caller has one; without, at 64 rows they were slower). FP8 weights
     at 17-64 rows fill at most one wave where ungated, and at 33-64 rows may split further (`ONE_WAVE`). Where
     all weights are FP8 and the products fp16 (mode None), the weight tiles come through tensor
     descriptors ("tma") and a gated call takes half the split: the H200 sweep of 2026-12-04 measured
@@ -156,8 +157,13 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
         # FP8 weights: fp16 products at up to 16 rows, and at 17-32 rows for weights of at least 24 Mi
         # elements (the H200 sweeps of 2026-12-04 at 24 / 32 rows: dense gate|up 57.3 -> 44.2 and
         # 63.2 -> 43.9 us, the DSA q_b (30 Mi) 21.4 -> 19.8 and 20.1 -> 19.7, the other large weights
-        # 4-10 % faster, the smaller ones even or slower).
-        half = weight_bytes == 1 and (bm == 16 or (bm == 32 and K * sum(ns) * (2 if gated else 1) >= 24 << 20))
+        # 4-10 % faster, the smaller ones even or slower). Ungated at 17-64 rows with an fp16 copy of x
+        # given, every size (the H200 sweep of 2026-12-05, one-wave plans, bf16 products against fp16 ones
+        # from a copy, 24 / 64 rows: DSA o_proj 35.2 -> 29.3 / 45.8 -> 40.3 us, dense down 27.7 -> 23.6 /
+        # 36.0 -> 31.9, shared-expert down 11.2 -> 8.5 / 12.2 -> 10.6, DSA group 12.5 -> 10.7 / 16.0 -> 14.9;
+        # gated ones lost at 48-64 rows: dense gate|up 75.5 -> 96.7 at 64, the shared expert's 21.0 -> 28.7).
+        half = weight_bytes == 1 and (bm == 16 or (bm == 32 and K * sum(ns) * (2 if gated else 1) >= 24 << 20)
+                                      or (bool(x16) and bm in (32, 64) and not gated))
     half = bool(half) and use_dot and x_bytes == 2
     tma = (mode == "tma" or (mode is None and half)) and all_fp8 and x_bytes == 2 and bk <= 128
     if mode is None and tma and gated:
@@ -218,7 +224,7 @@ def reads_x16(M: int, weights: list[torch.Tensor], x_dtype: torch.dtype, gated: 
         return False
     dev = weights[0].device
     return plan_launch(M, [w.shape[0] for w in weights], weights[0].shape[1], 1, dev.type, _sm_count(dev),
-                       gated).half
+                       gated, x16=True).half
 
 
 def _check_x(x: torch.Tensor) -> None:
@@ -294,7 +300,7 @@ def _run(x, projections, outs, split_k, block_n, mode, split_factor=1, up=None, 
     sizes = [w.element_size() for w, _ in projections]
     plan = plan_launch(x.shape[0], ns, x.shape[1], min(sizes), x.device.type, _sm_count(x.device), up is not None,
                        split_k, block_n, mode, split_factor, x.element_size(), max(sizes), block_k, half, pdl,
-                       num_warps, num_stages, hold)
+                       num_warps, num_stages, hold, x16 is not None)
     launch(x, [w for w, _ in projections], [s for _, s in projections], outs, plan, up, limit, x16, out16)
     return outs
 
