@@ -9,7 +9,8 @@
 # (SWEEP_ARGS adds options to the sweep, e.g. "--skip-probe --variants heuristic,swap"; NCU_ARGS to the profiled script,
 # e.g. "--variant bn32"; for two sweeps with different options, run this script twice in one call, with TRITON_PACK=0
 # on all but the last: a step whose log an earlier one left takes the next free name, sweep-2.log, sweep-2.json;
-# BUNDLE=1 on the last packs every log and JSON of the call into $OUT/results.tar.xz.)
+# BUNDLE=1 on the last packs every log and JSON of the call into $OUT/results.tar.xz; CALL_END=$(( $(date +%s) + 580 ))
+# at the top of a call cuts every step short of the call's limit, so the last run still packs its files.)
 # Each step writes its log (and JSON) under $OUT and gets its own time limit, so one slow step
 # leaves the others' results. Triton's compiled kernels go to $TRITON_CACHE_DIR (default
 # .triton-cache in this tree, ignored by git), so a later call on the same machine skips compiling.
@@ -47,6 +48,11 @@ free() {  # free NAME: NAME, or NAME-2, NAME-3, ... where an earlier step (or ru
 run() {  # run NAME LIMIT_S CMD...
     local name=$1 limit=$2
     shift 2
+    if [ -n "${CALL_END:-}" ]; then  # CALL_END: a Unix time by which every step must be done (the call's own limit)
+        local left=$((CALL_END - $(date +%s) - 20))
+        [ "$left" -lt "$limit" ] && limit=$left
+        if [ "$limit" -le 0 ]; then echo "$name: skipped, CALL_END reached"; return; fi
+    fi
     local t0=$SECONDS
     timeout -s INT "$limit" "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
