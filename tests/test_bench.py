@@ -414,6 +414,11 @@ def test_linear_sweep_hands_the_x16_variant_an_fp16_copy(monkeypatch):
     (x0, kw0), (_, kw_t), _, (_, kw2), (x1, kw1) = seen
     assert kw0 == {} and kw_t == {"mode": "tma"} and kw2 == {"mode": "tma"} and set(kw1) == {"x16"}
     assert kw1["x16"].dtype == torch.float16 and torch.equal(kw1["x16"], x1.to(torch.float16))
+    seen.clear()
+    rows = sweep.sweep_linear("cpu", [3], 1e12, 1, variants=["fp16-convert"], cases=["dsa_o_proj"])
+    ((x2, kw3),) = seen  # the copy made inside the timed call
+    assert set(kw3) == {"half", "x16"} and kw3["half"] is True
+    assert kw3["x16"].dtype == torch.float16 and torch.equal(kw3["x16"], x2.to(torch.float16))
 
 
 def test_linear_sweep_resident_calls_one_instance(monkeypatch):

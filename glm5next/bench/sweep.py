@@ -53,6 +53,7 @@ VARIANTS = {
     "tma-bf16": dict(mode="tma", half=False),
     "x16": dict(x16=True),
     "fp16-x16": dict(half=True, x16=True),
+    "fp16-convert": dict(half=True, x16="convert"),
     "pdl": dict(pdl=True),
     "pdl-split-half": dict(pdl=True, split_factor=0.5),
     "pdl-split-2x": dict(pdl=True, split_factor=2),
@@ -78,7 +79,8 @@ weights at up to 16 rows, their tiles through tensor descriptors), "dot" the sam
 weights only: skipped for BF16 cases), "swap*" multiply W @ x.T (the weight tile as the left, register
 operand), "tma*" load FP8 weight tiles through tensor descriptors,
 "x16" gives the products an fp16 copy of x made beforehand (FP8 cases only; what a producer
-writing it beside x would save each program), "fp16-x16" fp16 products from such a copy at every row count, "pdl*" launch as programmatic
+writing it beside x would save each program), "fp16-x16" fp16 products from such a copy at every row count, "fp16-convert" the same with the copy made
+inside the timed graph before each call (what a consumer whose producer writes none would pay), "pdl*" launch as programmatic
 dependents (the weight prefetch capped by `SETTINGS`; "pdl-late" releases the next launch only after
 the products; "pdl-hold*" hold the first 4 / 2 K steps' weight tiles in registers before the wait, with
 "-split-2x" twice the split so that every step of a program is held more often), "bn*" narrower output tiles (more programs on small matrices), "two-waves" the plans of FP8 weights at 17-64
@@ -176,12 +178,13 @@ def sweep_linear(device, m_values, bandwidth: float, replays: int, variants=None
                     continue
                 if (kw.get("mode") == "gemv" and m > 8) or (storage == "bf16" and ("half" in kw or "x16" in kw)):
                     continue
+                convert = kw.get("x16") == "convert"
                 if kw.get("x16"):
                     kw = dict(kw, x16=x16)
 
-                def run(kw=kw, insts=insts, x=x):
+                def run(kw=kw, insts=insts, x=x, convert=convert):
                     for ws, ups in insts:
-                        project(x, ws, ups, **kw)
+                        project(x, ws, ups, **(dict(kw, x16=x.to(torch.float16)) if convert else kw))
 
                 try:
                     us = _time(_setting(variant, run), len(insts), replays)
