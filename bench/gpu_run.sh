@@ -90,7 +90,9 @@ for step in "$@"; do
                 --out "$OUT/policy.json" --merge
             POLICY=$OUT/policy.json ;;
         specialized)
-            # After a tune step of the same call, with the table it wrote; else with the shipped one.
+            # After a tune step of the same call (this run of the script or an earlier one, which left
+            # $OUT/policy.json), with the table it wrote; else with the shipped one.
+            [ -z "$POLICY" ] && [ -f "$OUT/policy.json" ] && POLICY=$OUT/policy.json
             name=$(free specialized)
             run "$name" 420 python -m glm5next.cli bench --mode specialized --out "$OUT/$name.json" \
                 ${POLICY:+--policy "$POLICY"} ;;

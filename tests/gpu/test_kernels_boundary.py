@@ -121,7 +121,8 @@ def test_programmatic_chain_in_a_graph_equals_the_plain_chain(T, scalar, mode, m
     releases the next only after its partial products; "deferred": each comb left pending for the next
     launch to finish), captured and replayed with new inputs: every output equals the eager chain of
     plain launches bit for bit (a pending comb, once finished, the plain comb to 1e-5); with the
-    finisher as shipped and with `FINISH_SCALAR`."""
+    finisher as shipped and with `FINISH_SCALAR` (then at chunks of 32 columns, where deferred launches
+    finish by scalars too, so both chains take the same finisher)."""
     monkeypatch.setattr(fused, "FINISH_SCALAR", scalar)
     g = torch.Generator().manual_seed(200 + T)
     mixers = [_mixer(g) for _ in range(3)]
@@ -130,7 +131,7 @@ def test_programmatic_chain_in_a_graph_equals_the_plain_chain(T, scalar, mode, m
 
     def chain(mode):
         pdl, defer = (True, True) if mode == "deferred" else (mode, False)
-        out_kw = dict(pdl=pdl, defer_sinkhorn=defer)
+        out_kw = dict(pdl=pdl, defer_sinkhorn=defer, **({"chunk": 32} if scalar else {}))
         res = [mhc_first(emb, *mixers[0], **KW, **out_kw)]
         for i in (1, 2):
             s, p, c, _ = res[-1]
