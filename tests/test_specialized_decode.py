@@ -163,3 +163,39 @@ def test_fp16_copies_are_found_by_the_tensor_they_copy():
         assert copies.get(y) is not None
     copies.clear()
     assert copies.get(y) is None
+
+
+def test_single_fp8_projections_copy_their_input_to_fp16_at_33_to_64_rows(monkeypatch):
+    """`CONVERT_X16`: a single FP8 projection at 33-64 rows of bf16 input with no copy filed launches with x
+    in fp16 (and files it, so the next projection of the same input reads it); a filed copy is read as it
+    is; up to 32 rows, fp32 input, BF16 weights or the flag off launch without one. The result matches the
+    reference with a NaN-filled output."""
+    import glm5next.kernels.linear as kernels
+    import glm5next.specialized_decode.linear as routes
+    from glm5next.checkpoint.fp8 import quantize_fp8_blocks
+    from glm5next.specialized_decode.copies import Fp16Copies
+
+    g = torch.Generator().manual_seed(33)
+    w8, s8 = quantize_fp8_blocks(torch.randn(150, 272, generator=g) * 0.05)
+    fp8 = types.SimpleNamespace(weight=w8, weight_scale_inv=s8)
+    bf16 = types.SimpleNamespace(weight=torch.randn(150, 272, generator=g).to(torch.bfloat16), weight_scale_inv=None)
+    seen = []
+    real = kernels.skinny_linear
+    monkeypatch.setattr(kernels, "skinny_linear", lambda x, w, s, x16=None: seen.append(x16) or real(x, w, s, x16=x16))
+    copies = Fp16Copies()
+    x = torch.randn(40, 272, generator=g).to(torch.bfloat16)
+    y = routes.SingleRoute(fp8, copies)(x)
+    assert seen[-1] is not None and torch.equal(seen[-1], x.to(torch.float16)) and copies.get(x) is seen[-1]
+    ref = kernels.linear_reference(x, w8, s8)
+    assert ((y.float() - ref.float()).norm() / ref.float().norm()) <= 2e-2
+    filed = seen[-1]
+    routes.SingleRoute(fp8, copies)(x)
+    assert seen[-1] is filed
+    copies.clear()
+    for route, xin in ((routes.SingleRoute(fp8, copies), x[:32].clone()), (routes.SingleRoute(fp8, copies), x.float()),
+                       (routes.SingleRoute(bf16, copies), x)):
+        route(xin)
+        assert seen[-1] is None and copies.get(xin) is None
+    monkeypatch.setattr(routes, "CONVERT_X16", False)
+    routes.SingleRoute(fp8, copies)(x)
+    assert seen[-1] is None

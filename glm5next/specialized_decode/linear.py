@@ -10,7 +10,8 @@ are stored, so that prefetch runs beside the boundary's finisher rather than its
 as "grouped-overlap" with every program of the group loading the weight tiles of its first `GROUP_HOLD`
 K steps (at 1-16 rows, for the DSA group, all of its steps) into registers before its wait (`LaunchPlan.hold`), so that after the boundary only the
 activations of those steps are read; "single" runs every projection in its own launch. The weights stay where the backbone keeps them. A launch whose
-input has an fp16 copy filed (`Fp16Copies`: the boundary writes one where the group reads it) reads that.
+input has an fp16 copy filed (`Fp16Copies`: the boundary writes one where the group reads it) reads that;
+at 33-64 rows a single whose input has none makes one first where the launch reads one (`CONVERT_X16`).
 """
 
 from __future__ import annotations
@@ -52,6 +53,15 @@ def routable(linear: Linear, dtype: torch.dtype) -> bool:
     return linear.weight.dtype == dtype
 
 
+CONVERT_X16 = True
+"""Whether a single FP8 projection at 33-64 rows of bf16 activations with no fp16 copy filed (the DSA q_b,
+o_proj and indexer wq_b, whose inputs come from stock code) converts its input first, then launches with
+fp16 products from the copy, filing it for the next projection of the same input (the indexer's wq_b reads
+the q_b's). The H200 sweep of 2026-12-05 at 48 / 64 rows, the copy made inside the timed graph: q_b 28.3 /
+28.9 -> 27.6 / 27.8 us, o_proj 45.0 / 45.6 -> 42.6 / 43.2 (converting x in each program instead: 28.8 /
+28.9 and 47.0 / 47.6). Below 33 rows unmeasured, so off there."""
+
+
 class SingleRoute:
     """One projection, one launch."""
 
@@ -60,10 +70,16 @@ class SingleRoute:
         self.copies = copies
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        from ..kernels.linear import skinny_linear
+        from ..kernels.linear import reads_x16, skinny_linear
 
+        w = self.linear.weight
         x16 = None if self.copies is None else self.copies.get(x)
-        return skinny_linear(x, self.linear.weight, self.linear.weight_scale_inv, x16=x16)
+        if (x16 is None and CONVERT_X16 and x.dim() == 2 and 32 < x.shape[0] and x.is_contiguous()
+                and reads_x16(x.shape[0], [w], x.dtype)):
+            x16 = x.to(torch.float16)
+            if self.copies is not None:
+                self.copies.put(x, x16)
+        return skinny_linear(x, w, self.linear.weight_scale_inv, x16=x16)
 
 
 class GroupRoute:
