@@ -288,8 +288,7 @@ def sweep_boundary(device, t_values, replays: int, block_ts=(1, 2, 4), chunks=(3
     with floating-point contraction, as `boundary_kernels.FP_FUSION` allows; `finish_scalar` True: one-token
     blocks finish with the mixer's outputs as scalars, `boundary_kernels.FINISH_SCALAR`, which deferred launches
     follow only at chunks of at most 32 columns; None: as shipped)."""
-    shipped = boundary_kernels.FINISH_SCALAR
-    finish_scalar = (shipped,) if finish_scalar is None else finish_scalar
+    finish_scalar = (boundary_kernels.FINISH_SCALAR,) if finish_scalar is None else finish_scalar
     D, n = BOUNDARY_D, BOUNDARY_N
     rows = []
     copies = 64
@@ -305,7 +304,7 @@ def sweep_boundary(device, t_values, replays: int, block_ts=(1, 2, 4), chunks=(3
             # Blocks of several tokens: both finishers (tiles stored and re-read, or token by token).
             for chunk, by_token, nw, defer, fma, scalar in itertools.product(
                     chunks, (False, True) if block_t > 1 else (False,), warps, deferred, fp_fusion,
-                    finish_scalar if block_t == 1 else (shipped,)):
+                    finish_scalar if block_t == 1 else (False,)):  # several tokens a block: no scalar form
                 def run(block_t=block_t, chunk=chunk, defer=defer):
                     for mx in mixers:
                         mhc_boundary(out, streams, post, comb, *mx, **kw, new_streams=bufs[0], new_post=bufs[1],
@@ -313,7 +312,7 @@ def sweep_boundary(device, t_values, replays: int, block_ts=(1, 2, 4), chunks=(3
                                      defer_sinkhorn=defer, comb_pending=defer)
                 label = f"bt={block_t} chunk={chunk:3d}" + (" by token" if by_token else "") + (
                     f" warps={nw}" if nw != 4 else "") + (" deferred" if defer else "") + (
-                    " contracted" if fma else "") + (" scalar" if scalar and block_t == 1 else "")
+                    " contracted" if fma else "") + (" scalar" if scalar else "")
                 fn = _with(boundary_kernels, "NUM_WARPS", nw, _with(boundary_kernels, "FINISH_BY_TOKEN", by_token, run))
                 fn = _with(boundary_kernels, "FINISH_SCALAR", scalar, _with(boundary_kernels, "FP_FUSION", fma, fn))
                 try:
@@ -323,7 +322,7 @@ def sweep_boundary(device, t_values, replays: int, block_ts=(1, 2, 4), chunks=(3
                     torch.cuda.synchronize()
                     continue
                 variant = (f"bt{block_t}-c{chunk}{'-token' if by_token else ''}{f'-w{nw}' if nw != 4 else ''}"
-                           f"{'-deferred' if defer else ''}{'-contracted' if fma else ''}{'-scalar' if scalar and block_t == 1 else ''}")
+                           f"{'-deferred' if defer else ''}{'-contracted' if fma else ''}{'-scalar' if scalar else ''}")
                 rows.append(dict(case="boundary", m=T, variant=variant, us=us))
                 print(f"boundary        T={T:2d} {label:32s} {us:8.2f} us", flush=True)
     return rows
