@@ -166,7 +166,7 @@ def test_fp16_copies_are_found_by_the_tensor_they_copy():
 
 
 def test_single_fp8_projections_copy_their_input_to_fp16_at_33_to_64_rows(monkeypatch):
-    """`CONVERT_X16`: a single FP8 projection at 33-64 rows of bf16 input with no copy filed launches with x
+    """`CONVERT_X16` on: a single FP8 projection at 33-64 rows of bf16 input with no copy filed launches with x
     in fp16 (and files it, so the next projection of the same input reads it); a filed copy is read as it
     is; up to 32 rows, fp32 input, BF16 weights or the flag off launch without one. The result matches the
     reference with a NaN-filled output."""
@@ -182,6 +182,7 @@ def test_single_fp8_projections_copy_their_input_to_fp16_at_33_to_64_rows(monkey
     seen = []
     real = kernels.skinny_linear
     monkeypatch.setattr(kernels, "skinny_linear", lambda x, w, s, x16=None: seen.append(x16) or real(x, w, s, x16=x16))
+    monkeypatch.setattr(routes, "CONVERT_X16", True)
     copies = Fp16Copies()
     x = torch.randn(40, 272, generator=g).to(torch.bfloat16)
     y = routes.SingleRoute(fp8, copies)(x)

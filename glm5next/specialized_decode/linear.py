@@ -11,7 +11,7 @@ as "grouped-overlap" with every program of the group loading the weight tiles of
 K steps (at 1-16 rows, for the DSA group, all of its steps) into registers before its wait (`LaunchPlan.hold`), so that after the boundary only the
 activations of those steps are read; "single" runs every projection in its own launch. The weights stay where the backbone keeps them. A launch whose
 input has an fp16 copy filed (`Fp16Copies`: the boundary writes one where the group reads it) reads that;
-at 33-64 rows a single whose input has none makes one first where the launch reads one (`CONVERT_X16`).
+with `CONVERT_X16`, at 33-64 rows a single whose input has none makes one first where the launch reads one.
 """
 
 from __future__ import annotations
@@ -53,13 +53,14 @@ def routable(linear: Linear, dtype: torch.dtype) -> bool:
     return linear.weight.dtype == dtype
 
 
-CONVERT_X16 = True
+CONVERT_X16 = False
 """Whether a single FP8 projection at 33-64 rows of bf16 activations with no fp16 copy filed (the DSA q_b,
 o_proj and indexer wq_b, whose inputs come from stock code) converts its input first, then launches with
 fp16 products from the copy, filing it for the next projection of the same input (the indexer's wq_b reads
 the q_b's). The H200 sweep of 2026-12-05 at 48 / 64 rows, the copy made inside the timed graph: q_b 28.3 /
 28.9 -> 27.6 / 27.8 us, o_proj 45.0 / 45.6 -> 42.6 / 43.2 (converting x in each program instead: 28.8 /
-28.9 and 47.0 / 47.6). Below 33 rows unmeasured, so off there."""
+28.9 and 47.0 / 47.6). Below 33 rows unmeasured, so never there. Off until a planned step has run and been
+timed with it on the GPU (the tune's DSA projections at 48 / 64 tokens)."""
 
 
 class SingleRoute:
@@ -74,7 +75,7 @@ class SingleRoute:
 
         w = self.linear.weight
         x16 = None if self.copies is None else self.copies.get(x)
-        if (x16 is None and CONVERT_X16 and x.dim() == 2 and 32 < x.shape[0] and x.is_contiguous()
+        if (x16 is None and CONVERT_X16 and 32 < x.shape[0] and x.is_contiguous()
                 and reads_x16(x.shape[0], [w], x.dtype)):
             x16 = x.to(torch.float16)
             if self.copies is not None:
