@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from glm5next.model.mhc import hc_post
+from glm5next.model.norm import RMSNorm
 from glm5next.model.routing import routed
 from glm5next.runtime.cache import ModelCache
 from glm5next.runtime.runner import Runner, Sequence
@@ -55,7 +56,8 @@ def test_projection_routes_equal_stock(tiny_fp32, choice):
         assert mods, f"layer {idx}: nothing routed"
         x = torch.randn(4, tiny_fp32.config.hidden_size, generator=g)
         for m in mods:
-            xin = x if m.in_features == x.shape[1] else torch.randn(4, m.in_features, generator=g)
+            width = m.dim if isinstance(m, RMSNorm) else m.in_features  # (a DSA layer's latent norms too)
+            xin = x if width == x.shape[1] else torch.randn(4, width, generator=g)
             want = m(xin)
             with routed(table):
                 got = m(xin)
@@ -74,6 +76,47 @@ def test_dense_and_shared_expert_stages_equal_stock(tiny_fp32):
     route = SpecializedDecode(tiny_fp32, policy(shared_expert="fused-overlap"), SIZES).routes(4)[id(shared)]
     assert route.keywords == {"overlap": True}
     close(route(x), shared(x))
+
+
+def test_dsa_norms_and_value_cast_route_where_the_projections_are_routed(tiny_dir, tiny_fp32):
+    """With the DSA projections routed, a DSA layer's latent norms run as one kernel each; in bf16 the
+    q_a norm's writes and files the fp16 copy the q_b and the wq_b read, and the cast before the o_proj
+    runs as a kernel that writes the o_proj's copy. Both equal the stock code's results (in fp32 within
+    1e-5; in bf16 the cast bit for bit up to the interpreter's truncating casts)."""
+    from glm5next.model.backbone import Glm5NextModel
+    from glm5next.model.routing import cast_input
+    from glm5next.specialized_decode.linear import CastRoute, NormRoute
+
+    bf16 = Glm5NextModel.from_pretrained(tiny_dir, torch.bfloat16, "cpu", progress=False)
+    g = torch.Generator().manual_seed(3)
+    for model in (tiny_fp32, bf16):
+        layer = next(layer for layer in model.layers if layer.layer_kind == "dsa")
+        attn = layer.self_attn
+        ex = SpecializedDecode(model, policy(), SIZES)
+        table = ex.routes(4)
+        q_norm, kv_norm = table[id(attn.q_a_layernorm)], table[id(attn.kv_a_layernorm)]
+        assert isinstance(q_norm, NormRoute) and isinstance(kv_norm, NormRoute) and kv_norm.copies is None
+        assert (q_norm.copies is ex.copies) == (model is bf16)
+        assert (("input", id(attn.o_proj)) in table) == (model is bf16)
+        assert not any(k in SpecializedDecode(model, policy(dsa_proj=None), SIZES).routes(4)
+                       for k in (id(attn.q_a_layernorm), ("input", id(attn.o_proj))))
+        dtype = torch.bfloat16 if model is bf16 else torch.float32
+        x = torch.randn(4, attn.q_a_layernorm.dim, generator=g).to(dtype)
+        o = torch.randn(attn.num_heads, 4, attn.v_dim, generator=g).permute(1, 0, 2)  # as the einsum leaves it
+        want = attn.q_a_layernorm(x)
+        with routed(table):
+            got = attn.q_a_layernorm(x)
+            copy = ex.copies.get(got)
+            cast = cast_input(attn.o_proj, o, dtype).reshape(4, -1)  # as the attention passes it on
+            cast_copy = ex.copies.get(cast)
+        close(got, want, 1e-5 if model is tiny_fp32 else 2e-2)
+        flat = o.reshape(4, -1)
+        assert ((cast.float() - flat.to(dtype).float()).abs() <= flat.abs() * 2.0**-7).all()
+        if model is bf16:
+            assert torch.equal(copy, got.to(torch.float16)) and torch.equal(cast_copy, cast.to(torch.float16))
+        else:
+            assert copy is None and cast_copy is None
+        ex.copies.clear()
 
 
 def prefilled(model, lens, executor=None):
@@ -264,7 +307,9 @@ def test_projection_case_runs_every_choice_after_its_boundary(tiny_fp32, monkeyp
 def test_fp16_copies_leave_planned_bf16_steps_bit_for_bit(tiny_dir, monkeypatch):
     """In bf16 the boundaries in front of the DSA projection groups and of the dense and shared-expert
     MLPs write fp16 copies of their outputs, which those FP8 launches read (and the gate|up writes one
-    for the down): two planned steps give the same logits and cache bits with the copies as without."""
+    for the down; in a DSA layer the q_a norm one for the q_b and the indexer's wq_b, the cast of the
+    attention's values one for the o_proj): two planned steps give the same logits and cache bits with
+    the copies as without."""
     from glm5next.model.backbone import Glm5NextModel
     from glm5next.specialized_decode.copies import Fp16Copies
 
@@ -298,8 +343,9 @@ def test_fp16_copies_leave_planned_bf16_steps_bit_for_bit(tiny_dir, monkeypatch)
 
     with_copies, cache_with = decode(True)
     dsa = sum(layer.layer_kind == "dsa" for layer in model.layers)
-    # Each step: a hit per DSA group and per dense or shared-expert gate|up (and the down's own copy).
-    assert sum(hits) == 2 * (dsa + len(model.layers)), (sum(hits), dsa)
+    # Each step: a hit per DSA group, q_b, wq_b and o_proj, and per dense or shared-expert gate|up (and
+    # the down's own copy).
+    assert sum(hits) == 2 * (4 * dsa + len(model.layers)), (sum(hits), dsa)
     without, cache_without = decode(False)
     for a, b in zip(with_copies, without):
         assert torch.equal(a, b)

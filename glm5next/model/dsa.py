@@ -26,6 +26,7 @@ from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
 from .linear import Linear
 from .norm import RMSNorm
 from .params import TensorSpec
+from .routing import cast_input
 
 PREFILL_CHUNK_ELEMS = 1 << 26
 """Budget (elements) of the per-chunk score and gathered-latent tensors of the eager prefill path."""
@@ -129,7 +130,7 @@ class SparseMLA(nn.Module):
                 hi = min(b, lo + step)
                 attend_rows(lo, hi, tables)
 
-        o = torch.einsum("thr,hvr->thv", ctx, w_uv).to(x.dtype)
+        o = cast_input(self.o_proj, torch.einsum("thr,hvr->thv", ctx, w_uv), x.dtype)
         out = self.o_proj(o.reshape(t, self.num_heads * self.v_dim))
         return (out, chosen) if return_selection else out
 

@@ -10,8 +10,10 @@ are stored, so that prefetch runs beside the boundary's finisher rather than its
 as "grouped-overlap" with every program of the group loading the weight tiles of its first `GROUP_HOLD`
 K steps (at 1-16 rows, for the DSA group, all of its steps) into registers before its wait (`LaunchPlan.hold`), so that after the boundary only the
 activations of those steps are read; "single" runs every projection in its own launch. The weights stay where the backbone keeps them. A launch whose
-input has an fp16 copy filed (`Fp16Copies`: the boundary writes one where the group reads it) reads that;
-with `CONVERT_X16`, at 33-64 rows a single whose input has none makes one first where the launch reads one.
+input has an fp16 copy filed (`Fp16Copies`) reads that. The boundary writes one where the group reads it;
+in a DSA layer whose projections are routed, the q_a norm runs as one kernel (`NormRoute`, as does the
+kv_a norm) that writes one where the q_b or the indexer's wq_b reads it, and the cast of the attention's
+values before the o_proj (`CastRoute`) writes one where the o_proj reads it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import torch
 
 from ..config import DSA, KDA
 from ..model.linear import Linear
+from ..model.norm import RMSNorm
+from ..model.norm import rms_norm as rms_norm_stock
 from ..model.params import FP8_DTYPE
 from .copies import Fp16Copies
 
@@ -53,16 +57,6 @@ def routable(linear: Linear, dtype: torch.dtype) -> bool:
     return linear.weight.dtype == dtype
 
 
-CONVERT_X16 = False
-"""Whether a single FP8 projection at 33-64 rows of bf16 activations with no fp16 copy filed (the DSA q_b,
-o_proj and indexer wq_b, whose inputs come from stock code) converts its input first, then launches with
-fp16 products from the copy, filing it for the next projection of the same input (the indexer's wq_b reads
-the q_b's). The H200 sweep of 2026-12-05 at 48 / 64 rows, the copy made inside the timed graph: q_b 28.3 /
-28.9 -> 27.6 / 27.8 us, o_proj 45.0 / 45.6 -> 42.6 / 43.2 (converting x in each program instead: 28.8 /
-28.9 and 47.0 / 47.6). Below 33 rows unmeasured, so never there. Off until a planned step has run and been
-timed with it on the GPU (the tune's DSA projections at 48 / 64 tokens)."""
-
-
 class SingleRoute:
     """One projection, one launch."""
 
@@ -71,16 +65,51 @@ class SingleRoute:
         self.copies = copies
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        from ..kernels.linear import reads_x16, skinny_linear
+        from ..kernels.linear import skinny_linear
 
-        w = self.linear.weight
         x16 = None if self.copies is None else self.copies.get(x)
-        if (x16 is None and CONVERT_X16 and 32 < x.shape[0] and x.is_contiguous()
-                and reads_x16(x.shape[0], [w], x.dtype)):
-            x16 = x.to(torch.float16)
-            if self.copies is not None:
-                self.copies.put(x, x16)
-        return skinny_linear(x, w, self.linear.weight_scale_inv, x16=x16)
+        return skinny_linear(x, self.linear.weight, self.linear.weight_scale_inv, x16=x16)
+
+
+class NormRoute:
+    """An RMSNorm in one kernel; with `copy`, the kernel also writes its output in fp16, filed in `copies`
+    for the projections after it that read such a copy."""
+
+    def __init__(self, norm: RMSNorm, copies: Fp16Copies | None = None, copy: bool = False) -> None:
+        self.norm = norm
+        self.copies = copies if copy else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        from ..kernels.producers import rms_norm
+
+        if x.dim() != 2 or (x.stride(1) != 1 and x.shape[1] > 1):
+            return rms_norm_stock(x, self.norm.weight, self.norm.eps)
+        out16 = None
+        if self.copies is not None and x.dtype == torch.bfloat16:
+            out16 = torch.empty(x.shape, dtype=torch.float16, device=x.device)
+        out = rms_norm(x, self.norm.weight, self.norm.eps, out16)
+        if out16 is not None:
+            self.copies.put(out, out16)
+        return out
+
+
+class CastRoute:
+    """The cast of a module's input (`glm5next.model.routing.cast_input`) as one kernel that writes the
+    result contiguous, flattened to [T, -1] (the module's input is that view of it), and its fp16 copy,
+    filed in `copies` for the module's launch."""
+
+    def __init__(self, copies: Fp16Copies) -> None:
+        self.copies = copies
+
+    def __call__(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        from ..kernels.producers import cast
+
+        if x.dim() not in (2, 3) or dtype != torch.bfloat16:
+            return x.to(dtype)
+        out16 = torch.empty(x.shape[0], x[0].numel(), dtype=torch.float16, device=x.device)
+        out = cast(x, dtype, out16)
+        self.copies.put(out, out16)
+        return out.view(x.shape)
 
 
 class GroupRoute:
@@ -123,11 +152,15 @@ class ProjectionRoutes:
         self.members: dict[str, list[Linear]] = {"kda_proj": [], "dsa_proj": []}
         self.grouped_layers: dict[int, tuple[str, GroupRoute]] = {}
         """layer index -> the stage of its routed projection group, and the group."""
+        self.dsa_attns = []
+        """The attention modules of the DSA layers whose projections the policy may route."""
         for layer in layers:
             stage = STAGE_OF[layer.layer_kind]
             if not policy.enabled(stage):
                 continue
             attn = layer.self_attn
+            if stage == "dsa_proj":
+                self.dsa_attns.append(attn)
             group_names, single_names = (KDA_GROUP, KDA_SINGLES) if layer.layer_kind == KDA else (DSA_GROUP, DSA_SINGLES)
             group = [_get(attn, n) for n in group_names]
             if all(routable(m, dtype) for m in group) and len({m.weight.dtype for m in group}) == 1:
@@ -152,7 +185,26 @@ class ProjectionRoutes:
             elif choice == "single":
                 for m in self.members[stage]:
                     table[id(m)] = SingleRoute(m, self.copies)
+        if self.policy("dsa_proj", tokens) in GROUPED + ("single",):
+            for attn in self.dsa_attns:
+                table.update(self._dsa_producers(attn, tokens, table))
         return table
+
+    def _dsa_producers(self, attn, tokens: int, table: dict) -> dict:
+        """The routes of a DSA layer's latent norms (one kernel each; the q_a norm's writes an fp16 copy
+        where the routed q_b or wq_b reads one) and of the cast before its o_proj (where the routed o_proj
+        reads a copy)."""
+        from ..kernels.linear import reads_x16
+
+        def reads(m: Linear) -> bool:
+            return id(m) in table and reads_x16(tokens, [m.weight], self.dtype)
+
+        routes = {id(attn.q_a_layernorm): NormRoute(attn.q_a_layernorm, self.copies,
+                                                    reads(attn.q_b_proj) or reads(attn.indexer.wq_b)),
+                  id(attn.kv_a_layernorm): NormRoute(attn.kv_a_layernorm)}
+        if self.copies is not None and reads(attn.o_proj):
+            routes[("input", id(attn.o_proj))] = CastRoute(self.copies)
+        return routes
 
     def release_late(self, layer, tokens: int) -> bool:
         """Whether the boundary before `layer`'s attention releases the next launch only after its
