@@ -25,9 +25,11 @@ import triton.language as tl
 _FLOAT = (torch.bfloat16, torch.float16, torch.float32)
 
 
-@triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, out16_ptr, D, stride_x, eps, BLOCK_D: tl.constexpr, X16: tl.constexpr):
-    """One row per program: fp32 statistics, cast(x * rsqrt(mean(x^2) + eps)), times the weight, cast."""
+@triton.jit(do_not_specialize=["x16"])  # (Triton would otherwise compile x16 == 1 as a constant)
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, out16_ptr, D, stride_x, eps, x16, BLOCK_D: tl.constexpr):
+    """One row per program: fp32 statistics, cast(x * rsqrt(mean(x^2) + eps)), times the weight, cast.
+    `x16` (nonzero: write the fp16 copy) is a runtime flag, so the copy leaves the compiled reduction, and
+    so the result, as it is without one."""
     row = tl.program_id(0)
     d = tl.arange(0, BLOCK_D)
     m = d < D
@@ -37,13 +39,12 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, out16_ptr, D, stride_x, eps, BLOCK_D
     y = (xv * r).to(dtype).to(tl.float32)
     out = (tl.load(w_ptr + d, mask=m, other=0.0).to(tl.float32) * y).to(dtype)
     tl.store(out_ptr + row * D + d, out, mask=m)
-    if X16:
+    if x16 != 0:
         tl.store(out16_ptr + row * D + d, out.to(tl.float16), mask=m)
 
 
-@triton.jit
-def _cast_kernel(x_ptr, out_ptr, out16_ptr, H, V, stride_t, stride_h, stride_v, BLOCK_C: tl.constexpr,
-                 X16: tl.constexpr):
+@triton.jit(do_not_specialize=["x16"])
+def _cast_kernel(x_ptr, out_ptr, out16_ptr, H, V, stride_t, stride_h, stride_v, x16, BLOCK_C: tl.constexpr):
     """Row `program_id(0)`, columns of block `program_id(1)` of the flattened [H*V] row."""
     row = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -52,7 +53,7 @@ def _cast_kernel(x_ptr, out_ptr, out16_ptr, H, V, stride_t, stride_h, stride_v, 
     out = tl.load(src, mask=m, other=0.0).to(out_ptr.dtype.element_ty)
     dst = row.to(tl.int64) * H * V + c
     tl.store(out_ptr + dst, out, mask=m)
-    if X16:
+    if x16 != 0:
         tl.store(out16_ptr + dst, out.to(tl.float16), mask=m)
 
 
@@ -80,7 +81,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out16: torch.Ten
         _output(out16, "out16", torch.float16, (T, D), x.device)
     if T:
         _rms_norm_kernel[(T,)](x, weight, out, out if out16 is None else out16, D, x.stride(0), eps,
-                               BLOCK_D=triton.next_power_of_2(D), X16=out16 is not None, num_warps=4)
+                               int(out16 is not None), BLOCK_D=triton.next_power_of_2(D), num_warps=4)
     return out
 
 
@@ -102,8 +103,8 @@ def cast(x: torch.Tensor, dtype: torch.dtype, out16: torch.Tensor | None = None,
         _output(out16, "out16", torch.float16, (T, H * V), x.device)
     if T and H * V:
         _cast_kernel[(T, triton.cdiv(H * V, CAST_BLOCK))](
-            x3, out, out if out16 is None else out16, H, V, *x3.stride(), BLOCK_C=CAST_BLOCK, X16=out16 is not None,
-            num_warps=4)
+            x3, out, out if out16 is None else out16, H, V, *x3.stride(), int(out16 is not None),
+            BLOCK_C=CAST_BLOCK, num_warps=4)
     return out
 
 

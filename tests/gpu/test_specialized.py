@@ -8,6 +8,7 @@ import torch
 
 from glm5next.model.backbone import Glm5NextModel
 from glm5next.model.mhc import hc_post
+from glm5next.model.norm import RMSNorm
 from glm5next.model.routing import routed
 from glm5next.runtime.cache import ModelCache
 from glm5next.runtime.runner import DEFAULT_CAPTURE_SIZES, Runner, Sequence
@@ -62,7 +63,8 @@ def test_stages_equal_stock_in_bf16(model, m):
     table = ex.routes(m)
     for idx in (0, 3):
         for mod in (mm for mm in model.layers[idx].self_attn.modules() if id(mm) in table):
-            xin = x if mod.in_features == x.shape[1] else torch.randn(m, mod.in_features, device="cuda").bfloat16()
+            width = mod.dim if isinstance(mod, RMSNorm) else mod.in_features  # (a DSA layer's latent norms too)
+            xin = x if width == x.shape[1] else torch.randn(m, width, device="cuda").bfloat16()
             want = mod(xin)
             with routed(table):
                 got = mod(xin)
