@@ -302,6 +302,19 @@ def test_projection_case_runs_every_choice_after_its_boundary(tiny_fp32, monkeyp
     choice = "before"
     case.before()
     assert len(boundary_outputs) - n == kda_layers and not any(late for _, late in releases[-kda_layers:])
+    # The DSA case runs a layer's projections as its forward does: the latent norms (as kernels where the
+    # projections are routed) between the group and the q_b, the values' cast before the o_proj.
+    from glm5next.config import DSA
+    from glm5next.specialized_decode.linear import NormRoute
+
+    dsa_case = stages._projection_case(tiny_fp32, 2, DSA, "dsa_proj")
+    norm_route = NormRoute.__call__
+    norms = []
+    monkeypatch.setattr(NormRoute, "__call__", lambda self, x: norms.append(choice) or norm_route(self, x))
+    for choice, run in dsa_case.runs.items():
+        run()
+    dsa_layers = sum(layer.layer_kind == DSA for layer in tiny_fp32.layers)
+    assert sorted(set(norms)) == sorted(STAGES["dsa_proj"]) and len(norms) == 2 * dsa_layers * len(STAGES["dsa_proj"])
 
 
 def test_fp16_copies_leave_planned_bf16_steps_bit_for_bit(tiny_dir, monkeypatch):

@@ -7,7 +7,8 @@ time of one call is the replay time over the calls captured in it; where a step 
 ahead of every call that a choice may overlap (the boundary before a sublayer's projections), the
 case runs that too and subtracts its time alone. Where a stage reads an fp16 copy of its input
 (`glm5next.specialized_decode.copies`), the case gives it one as the step would: the boundary before
-the projections, the dense MLP or the shared expert writes it.
+the projections, the dense MLP or the shared expert writes it, and in a DSA layer the q_a norm and the
+cast of the attention's values, which the DSA case runs in the attention's order.
 `glm5next tune-policy` picks the fastest choice per stage and token count from these cases;
 `glm5next bench --mode specialized` reports them beside the bytes each call reads.
 """
@@ -23,7 +24,7 @@ import torch
 
 from ..config import DSA, KDA
 from ..model.mhc import hc_post
-from ..model.routing import routed
+from ..model.routing import cast_input, routed
 from ..specialized_decode.boundary import BoundaryStage
 from ..specialized_decode.copies import Fp16Copies
 from ..specialized_decode.dense_mlp import DenseMlpStage
@@ -97,10 +98,23 @@ def boundary_case(model, m: int) -> Case:
     return Case("boundary", m, per, {"fused": fused, "fused-deferred": lambda: fused(True), STOCK: stock}, len(insts))
 
 
+def _dsa_projections(attn, x: torch.Tensor, values: torch.Tensor) -> None:
+    """A DSA layer's projections in the order and on the inputs its forward gives them: the group on the
+    boundary's output, the q_a norm, the q_b and the indexer's wq_b on its output, the kv_a norm, then the
+    cast of the attention's values (`values`, fp32 [T, H, V] as the last einsum leaves them) for the o_proj."""
+    cq = attn.q_a_layernorm(attn.q_a_proj(x))
+    attn.q_b_proj(cq)
+    attn.kv_a_layernorm(attn.kv_a_proj_with_mqa(x))
+    attn.indexer.wq_b(cq)
+    attn.indexer.wk(x)
+    attn.o_proj(cast_input(attn.o_proj, values, x.dtype).reshape(x.shape[0], -1))
+
+
 def _projection_case(model, m: int, kind: str, stage: str) -> Case:
     """Each layer's projections as a planned step runs them: right after the fused boundary that
-    produces their input (the group reads the boundary's output; the singles random inputs of their
-    width). The boundaries alone are the case's `before`."""
+    produces their input. KDA: the group reads the boundary's output, the singles random inputs of their
+    width. DSA: as its forward runs them, latent norms and the values' cast included (`_dsa_projections`),
+    the values random. The boundaries alone are the case's `before`."""
     cfg, dev, dt = model.config, model.embed_tokens.device, model.embed_tokens.dtype
     gen = torch.Generator(device=dev).manual_seed(m + 1)
     group_names, single_names = (KDA_GROUP, KDA_SINGLES) if kind == KDA else (DSA_GROUP, DSA_SINGLES)
@@ -115,18 +129,21 @@ def _projection_case(model, m: int, kind: str, stage: str) -> Case:
                  torch.randn(m, cfg.hc_mult, cfg.hidden_size, generator=gen, device=dev).to(dt),
                  torch.rand(m, cfg.hc_mult, generator=gen, device=dev) * 2,
                  torch.full((m, cfg.hc_mult, cfg.hc_mult), 1.0 / cfg.hc_mult, device=dev))
-        mods = [(_get(attn, n), None) for n in group_names]  # None: the boundary's output
-        for n in single_names:
-            mod = _get(attn, n)
-            mods.append((mod, torch.randn(m, mod.in_features, generator=gen, device=dev).to(dt)))
+        if kind == DSA:  # the attention's values, heads outermost in memory as the einsum writes them
+            inputs = torch.randn(attn.num_heads, m, attn.v_dim, generator=gen, device=dev).transpose(0, 1)
+        else:  # (module, input): None for the boundary's output
+            inputs = [(_get(attn, n), None) for n in group_names]
+            for n in single_names:
+                mod = _get(attn, n)
+                inputs.append((mod, torch.randn(m, mod.in_features, generator=gen, device=dev).to(dt)))
         # Whether the group reads an fp16 copy of the boundary's output: then the boundary writes one in every
         # run and in `before` (where the group does, "single" members can, and stock reads none).
-        calls.append((layer.attn_hc, layer.input_layernorm, state, mods, grouped.reads_x16(layer, m)))
-        total += sum(_linear_bytes(mod) for mod, _ in mods)
+        calls.append((layer.attn_hc, layer.input_layernorm, state, attn, inputs, grouped.reads_x16(layer, m)))
+        total += sum(_linear_bytes(_get(attn, n)) for n in group_names + single_names)
     calls = calls * _copies(total)
 
     def before():
-        for hc, norm, state, _, x16 in calls:
+        for hc, norm, state, _, _, x16 in calls:
             boundary(*state, hc, norm, x16=x16)
         copies.clear()
 
@@ -135,13 +152,15 @@ def _projection_case(model, m: int, kind: str, stage: str) -> Case:
         routes = ProjectionRoutes(layers, Policy({stage: {str(m): choice}}), dt, copies)
         table = routes.table(m)
 
-
         def run(table=table, routes=routes, late=choice in RELEASE_LATE):
             with routed(table):
-                for hc, norm, state, mods, x16 in calls:
+                for hc, norm, state, attn, inputs, x16 in calls:
                     x = boundary(*state, hc, norm, late, x16=x16)[3]
-                    for mod, xin in mods:
-                        mod(x if xin is None else xin)
+                    if kind == DSA:
+                        _dsa_projections(attn, x, inputs)
+                    else:
+                        for mod, xin in inputs:
+                            mod(x if xin is None else xin)
                     routes.reset()
             copies.clear()
 
