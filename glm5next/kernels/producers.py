@@ -66,6 +66,12 @@ def _output(out: torch.Tensor | None, name: str, dtype: torch.dtype, shape, devi
     return out
 
 
+def _copy_or_stand_in(out16: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """The copy's buffer, or (none asked for) `out` viewed as fp16, never written: the pointer's type and
+    alignment, and so the compiled kernel, are the same either way."""
+    return out.view(torch.float16) if out16 is None else out16
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out16: torch.Tensor | None = None,
              out: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm of the rows of `x` [T, D] (unit stride along D) with `weight` [D], in x's dtype, rounded as
@@ -80,7 +86,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out16: torch.Ten
     if out16 is not None:
         _output(out16, "out16", torch.float16, (T, D), x.device)
     if T:
-        _rms_norm_kernel[(T,)](x, weight, out, out if out16 is None else out16, D, x.stride(0), eps,
+        _rms_norm_kernel[(T,)](x, weight, out, _copy_or_stand_in(out16, out), D, x.stride(0), eps,
                                int(out16 is not None), BLOCK_D=triton.next_power_of_2(D), num_warps=4)
     return out
 
@@ -103,7 +109,7 @@ def cast(x: torch.Tensor, dtype: torch.dtype, out16: torch.Tensor | None = None,
         _output(out16, "out16", torch.float16, (T, H * V), x.device)
     if T and H * V:
         _cast_kernel[(T, triton.cdiv(H * V, CAST_BLOCK))](
-            x3, out, out if out16 is None else out16, H, V, *x3.stride(), int(out16 is not None),
+            x3, out, _copy_or_stand_in(out16, out), H, V, *x3.stride(), int(out16 is not None),
             BLOCK_C=CAST_BLOCK, num_warps=4)
     return out
 
