@@ -92,6 +92,7 @@ def plot(result: dict, out: str) -> str:
     if steps:
         ax = axes.pop(0)
         for key, label, style in (("eager_ms", "stock eager", "o-"), ("graph_ms", "stock CUDA graph", "s-"),
+                                  ("specialized_ms", "specialized CUDA graph", "^-"),
                                   ("floor_ms", "floor (bytes / read BW)", "k--")):
             xs, ys = _series(steps, "tokens", key)
             if xs:

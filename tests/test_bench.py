@@ -622,3 +622,19 @@ def test_sweep_launch_targets_take_the_default_launch_of_groups_and_fp8_weights(
     lines = format_targets(got, key="at")
     assert lines[0].endswith("met at kda_group M=1; not at dsa_group M=1 (25.0 % against 85.0 %)")
     assert lines[1].endswith("met nowhere; not at dense_gate_up M=1 (78.0 % against 85.0 %)")
+
+
+def test_stage_rows_subtract_and_report_the_boundary_alone(monkeypatch):
+    """A stage row is the time of the boundary + stage graph less the boundaries alone (the case's `before`),
+    and the row keeps what it subtracted (`before_us`), so a change in either part can be told apart."""
+    from glm5next.bench import specialized, stages
+    from glm5next.specialized_decode import Policy
+
+    timed = {"pair": 30.0, "stock": 250.0, "alone": 7.5}
+    run = {"fused": lambda: "pair", "stock": lambda: "stock"}
+    case = stages.Case("dense_mlp", 4, 10**6, run, calls=2, before=lambda: "alone")
+    monkeypatch.setattr(stages, "_median_us", lambda fn, calls, replays: timed[fn()])
+    monkeypatch.setattr(specialized, "stage_cases", lambda model, m: [case])
+    (row,) = specialized._stage_rows(None, 4, Policy({"dense_mlp": {"4": "fused"}}), 1e12)
+    assert row["us"] == 22.5 and row["stock_us"] == 242.5 and row["before_us"] == 7.5
+    assert row["bw_fraction"] == pytest.approx(1e6 / 22.5e-6 / 1e12)

@@ -417,12 +417,16 @@ def test_gpu_plans_fill_the_machine():
     kda = [8192, 8192, 8192, 64, 128, 128]
     for m in (1, 16, 64):
         assert plan_launch(m, kda, 4096, 2).split_k == 1
+        # 389 programs: over 2 per SM, so fewer pipeline stages than shared memory would allow, for 3 per SM
+        assert plan_launch(m, kda, 4096, 2).num_stages == (3 if m <= 32 else 2)
+        assert plan_launch(m, kda, 4096, 2, num_stages=4).num_stages == 4
         dsa = plan_launch(m, [1536, 512, 128], 4096, 1)
         o_proj = plan_launch(m, [4096], 8192, 2)
         shared = plan_launch(m, [2048], 4096, 1, gated=True)
         assert o_proj.block_k == 128 and o_proj.use_dot and o_proj.block_m == max(16, m)
         # BF16 o_proj: 64 tiles, 4 splits, one wave of at most 2 programs per SM (5 splits would start a second)
         assert o_proj.split_k == 4 and programs(o_proj, [4096]) == 256
+        assert o_proj.num_stages == (3 if m == 64 else 5)  # one wave already: stages as shared memory allows
         if m <= 16:
             assert programs(dsa, [1536, 512, 128]) >= 264
             assert programs(shared, [2048]) >= 128  # gated calls with FP8 tiles through descriptors: ~1 per SM

@@ -191,10 +191,13 @@ def _stage_rows(model, m: int, policy: Policy, bandwidth: float) -> list[dict]:
         if choice is not None:
             us = time_choice(case, choice)
             row.update(us=us, bw_fraction=case.bytes_per_call / (us * 1e-6) / bandwidth)
+        if case.before_us is not None:  # what the row subtracts: the boundaries before the stage, alone
+            row["before_us"] = case.before_us
         rows.append(row)
         log(f"  M={m} {case.stage:14s} {row['choice']:8s} "
             + (f"{row['us']:8.1f} us ({100 * row['bw_fraction']:5.1f} %)  " if "us" in row else "")
-            + f"stock {stock_us:8.1f} us ({100 * row['stock_bw_fraction']:5.1f} %)")
+            + f"stock {stock_us:8.1f} us ({100 * row['stock_bw_fraction']:5.1f} %)"
+            + (f"  (less the boundary alone, {case.before_us:.1f} us)" if case.before_us is not None else ""))
     return rows
 
 
@@ -213,5 +216,6 @@ def tune_policy(model, sizes, replays: int = 20) -> tuple[Policy, dict]:
             best = min(measured, key=measured.get)
             tables.setdefault(case.stage, {})[str(m)] = best
             times.setdefault(case.stage, {})[str(m)] = measured
-            log(f"M={m} {case.stage:14s} -> {best:8s} " + "  ".join(f"{c} {t:.1f} us" for c, t in measured.items()))
+            log(f"M={m} {case.stage:14s} -> {best:8s} " + "  ".join(f"{c} {t:.1f} us" for c, t in measured.items())
+                + (f"  (less the boundary alone, {case.before_us:.1f} us)" if case.before_us is not None else ""))
     return Policy(tables, source="tuned"), times
