@@ -103,3 +103,5 @@ def test_overlap_cli_refuses_unknown_modes_and_cases():
         overlap.main(["--modes", "overlap,sideways"])
     with pytest.raises(SystemExit, match="unknown mode or case: dense_gate_upp"):
         overlap.main(["--case", "dense_gate_upp"])
+    with pytest.raises(ValueError, match="a gated launch holds no weights"):
+        overlap.run(torch.device("cpu"), 1, "hold", "dense_gate_up", layers=1, replays=1)

@@ -3,13 +3,15 @@ write themselves (`glm5next.kernels.stamps`; the profilers cannot show two kerne
 
     python -m glm5next.bench.overlap --t 1,8 --layers 8 --out overlap.json
 
-A CUDA graph of `layers` pairs in a row, each a fused boundary followed by a projection group of
-`sweep.SHAPES` (default the DSA group), every pair on its own weights so that the group's prefetch
-reads HBM, launched as the executor launches them for a choice of the projection stage: "overlap"
-("grouped-overlap": the boundary releases the group once its partial products are stored, the group
-is a programmatic dependent), "hold" ("grouped-hold": the same with the group's first K steps of
-weights held in registers before its wait), "early" ("grouped-early": released as the boundary starts) or
-"grouped" (each launch as the module's defaults have it). The graph is timed by CUDA events (median
+A CUDA graph of `layers` pairs in a row, each a fused boundary followed by a launch of a `sweep.SHAPES`
+case: a projection group (default the DSA group), one projection, or a gated gate|up (the dense MLP's or
+the shared expert's first launch), every pair on its own weights so that the second launch's prefetch
+reads HBM, launched as the executor launches them for a choice of the stage: "overlap"
+("grouped-overlap" / "fused-overlap": the boundary releases the launch after it once its partial products
+are stored, that launch is a programmatic dependent), "hold" ("grouped-hold", groups only: the same with
+the group's first K steps of weights held in registers before its wait), "early" ("grouped-early":
+released as the boundary starts) or "grouped" (each launch as the module's defaults have it; the MLP
+stages' "fused"). "group" below is that second launch, whichever case it is. The graph is timed by CUDA events (median
 of replays, per pair), then replayed once more with every launch writing its stamps.
 
 Per pair, times in µs from the first start of any of the boundary's programs: for each kernel and
@@ -33,14 +35,15 @@ from ..kernels import boundary as _boundary
 from ..kernels import stamps as _stamps
 from ..kernels.boundary import mhc_boundary
 from ..kernels.linear import kernel as _linear_kernel
-from ..kernels.linear import reads_x16, skinny_linear_multi
+from ..kernels.linear import reads_x16
 from ..specialized_decode.linear import GROUP_HOLD
 from .floor import capture, time_replays
-from .sweep import BOUNDARY_KW, SHAPES, boundary_mixer, boundary_state, shape_weights
+from .sweep import BOUNDARY_KW, SHAPES, boundary_mixer, boundary_state, project, shape_weights
 
 MODES = {"overlap": ("late", True, None), "hold": ("late", True, GROUP_HOLD["grouped-hold"]),
          "early": (None, True, None), "grouped": (None, None, None)}
-"""Choice -> (the boundary's `pdl`, the group's `pdl`, the group's `hold`), as the executor launches them."""
+"""Choice -> (the boundary's `pdl`, the group's `pdl`, the group's `hold`), as the executor launches them
+(a gated gate|up under "overlap" is released late in turn, `pdl="late"`, as `DenseMlpStage` has it)."""
 
 ROWS = 8192
 """Stamp rows per launch: more than any launch here has programs (unused rows stay zero)."""
@@ -106,18 +109,21 @@ def median_report(pairs: list[dict]) -> dict:
 
 def run(device, T: int, mode: str, case: str, layers: int, replays: int) -> dict:
     b_pdl, g_pdl, g_hold = MODES[mode]
-    if SHAPES[case][1]:
-        raise ValueError(f"{case}: a gated case is not a projection group")
+    gated = SHAPES[case][1]
+    if gated and g_hold:
+        raise ValueError(f"{case}: a gated launch holds no weights ({mode!r} is for projection groups)")
+    if gated and g_pdl:
+        g_pdl = "late"
     state = boundary_state(T, device)
     D, n = state[1].shape[2], state[1].shape[1]
     outs = [torch.empty(T, n, D, device=device, dtype=torch.bfloat16), torch.empty(T, n, device=device),
             torch.empty(T, n, n, device=device), torch.empty(T, D, device=device, dtype=torch.bfloat16)]
     mixers = [boundary_mixer(device) for _ in range(layers)]
-    groups = [shape_weights(case, device)[0] for _ in range(layers)]
-    y = [[torch.empty(T, w.shape[0], device=device, dtype=torch.bfloat16) for w, _ in g] for g in groups]
+    weights = [shape_weights(case, device) for _ in range(layers)]
     # The boundary writes the fp16 copy of x that the group then reads, where the executor has it do so.
     x16 = torch.empty(T, D, device=device, dtype=torch.float16) if reads_x16(
-        T, [w for w, _ in groups[0]], torch.bfloat16) else None
+        T, [w for w, _ in weights[0][0]], torch.bfloat16, gated=gated) else None
+    kw = {} if gated else {"hold": g_hold}
     bufs = [(_stamps.buffer(ROWS, device), _stamps.buffer(ROWS, device)) for _ in range(layers)]
 
     def step(stamped: bool):
@@ -126,7 +132,7 @@ def run(device, T: int, mode: str, case: str, layers: int, replays: int) -> dict
             mhc_boundary(*state, *mixers[i], **BOUNDARY_KW, sinkhorn_iters=20, new_streams=outs[0],
                          new_post=outs[1], new_comb=outs[2], x=outs[3], pdl=b_pdl, x16=x16)
             _linear_kernel.STAMPS = bufs[i][1] if stamped else None
-            skinny_linear_multi(outs[3], groups[i], y[i], pdl=g_pdl, x16=x16, hold=g_hold)
+            project(outs[3], *weights[i], pdl=g_pdl, x16=x16, **kw)
         _boundary.STAMPS = _linear_kernel.STAMPS = None
 
     try:
@@ -167,7 +173,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--t", default="1,8", help="token counts")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {', '.join(MODES)}")
-    p.add_argument("--case", default="dsa_group", help="the projection group, a case of sweep.SHAPES")
+    p.add_argument("--case", default="dsa_group", help="the launch after the boundary, a case of sweep.SHAPES")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--finish-scalar", action="store_true",

@@ -97,8 +97,10 @@ def test_projection_group_stamps(pdl, monkeypatch):
     assert int((rows[:programs, stamps.FINISH] != 0).sum()) == tiles  # one finisher per tile
 
 
-def test_overlap_benchmark_on_two_pairs():
-    r = overlap.run(torch.device("cuda"), 1, "overlap", "dsa_group", layers=2, replays=3)
+@pytest.mark.parametrize("case,mode", [("dsa_group", "overlap"), ("dense_gate_up", "overlap"),
+                                       ("dense_gate_up", "grouped")])
+def test_overlap_benchmark_on_two_pairs(case, mode):
+    r = overlap.run(torch.device("cuda"), 1, mode, case, layers=2, replays=3)
     assert boundary_kernels.STAMPS is None and linear_kernel.STAMPS is None
     assert len(r["pairs"]) == 2 and r["pair_us"] > 0 and r["pair_us_stamped"] > 0
     for pair in r["pairs"]:
