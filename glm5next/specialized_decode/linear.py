@@ -18,6 +18,8 @@ values before the o_proj (`CastRoute`) writes one where the o_proj reads it.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..config import DSA, KDA
@@ -106,7 +108,7 @@ class CastRoute:
 
         if x.dim() not in (2, 3) or dtype != torch.bfloat16:
             return x.to(dtype)
-        out16 = torch.empty(x.shape[0], x[0].numel(), dtype=torch.float16, device=x.device)
+        out16 = torch.empty(x.shape[0], math.prod(x.shape[1:]), dtype=torch.float16, device=x.device)
         out = cast(x, dtype, out16)
         self.copies.put(out, out16)
         return out.view(x.shape)
