@@ -407,26 +407,34 @@ def test_split_is_deterministic():
     assert torch.equal(first, skinny_linear(x, w, s, split_k=5))
 
 
-def test_gpu_plans_fill_the_machine():
+def test_gpu_plans_fill_the_machine(monkeypatch):
     """The real decode shapes on 132 SMs: enough programs (about 2 per SM, at most that for BF16 weights,
     or up to 3 for FP8 weights at up to 16 rows; 1 for the gated FP8 call, which streams two tiles),
     splits only where tiles are few."""
+    import glm5next.kernels.linear as linear_plans
+
     def programs(plan, ns):
         return sum(-(-n // plan.block_n) for n in ns) * plan.split_k
 
     kda = [8192, 8192, 8192, 64, 128, 128]
     for m in (1, 16, 64):
         assert plan_launch(m, kda, 4096, 2).split_k == 1
-        # 389 programs: over 2 per SM, so fewer pipeline stages than shared memory would allow, for 3 per SM
+        # 389 programs: over 2 per SM, so with `BF16_ONE_WAVE_STAGES` fewer pipeline stages than shared
+        # memory would allow, for 3 per SM
+        default = plan_launch(m, kda, 4096, 2).num_stages
+        assert default == (5 if m <= 32 else 3)
+        monkeypatch.setattr(linear_plans, "BF16_ONE_WAVE_STAGES", True)
         assert plan_launch(m, kda, 4096, 2).num_stages == (3 if m <= 32 else 2)
         assert plan_launch(m, kda, 4096, 2, num_stages=4).num_stages == 4
+        o_proj = plan_launch(m, [4096], 8192, 2)  # one wave already: stages as shared memory allows
+        assert o_proj.num_stages == (3 if m == 64 else 5)
+        monkeypatch.setattr(linear_plans, "BF16_ONE_WAVE_STAGES", False)
         dsa = plan_launch(m, [1536, 512, 128], 4096, 1)
         o_proj = plan_launch(m, [4096], 8192, 2)
         shared = plan_launch(m, [2048], 4096, 1, gated=True)
         assert o_proj.block_k == 128 and o_proj.use_dot and o_proj.block_m == max(16, m)
         # BF16 o_proj: 64 tiles, 4 splits, one wave of at most 2 programs per SM (5 splits would start a second)
         assert o_proj.split_k == 4 and programs(o_proj, [4096]) == 256
-        assert o_proj.num_stages == (3 if m == 64 else 5)  # one wave already: stages as shared memory allows
         if m <= 16:
             assert programs(dsa, [1536, 512, 128]) >= 264
             assert programs(shared, [2048]) >= 128  # gated calls with FP8 tiles through descriptors: ~1 per SM

@@ -73,6 +73,12 @@ each) and of 2 at 33-64 rows (BLOCK_M 64: 96-112 KB each), with 128-column tiles
 64-column ones alone would pass a wave; at 33-64 rows every call's split may also carry fp32 partials up to
 half the weight bytes (instead of a quarter). False: the rules before (split rounded up to about 2
 programs per SM, 64-column tiles, a quarter), which the sweep's "two-waves" variant restores."""
+BF16_ONE_WAVE_STAGES = False
+"""16-bit weights with more programs than the 2 per SM that 4-5 pipeline stages leave shared memory for,
+but at most 3 per SM (the KDA group: 389 tiles of 64, unsplit): 3 stages up to 32 rows, 2 at 33-64 (wgmma
+keeps one buffer more), so they run in one wave. The H200 sweep of 2026-12-05 timed the KDA group with 5 / 3
+stages at 1, 16 and 32 rows at 55.3 / 51.1, 56.8 / 51.8 and 61.3 / 52.7 us, and at 64 rows with 3 / 2 at
+59.5 / 55.6. Off until the GPU tests and a step have run with it (the sweep checks no outputs)."""
 _SMS: dict[int | None, int] = {}
 _FLOAT = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -207,12 +213,8 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
     # dense gate|up 31.2 -> 30.4 us, down 18.6 -> 17.7, DSA o_proj 23.3 -> 22.1, q_b 14.0 -> 12.8).
     stages = num_stages or max(2, min(4 if fp8_skinny else 5, buffers if bm >= 64 else buffers + 1))
     programs = sum(triton.cdiv(n, bn) for n in ns) * split
-    if num_stages is None and gpu and use_dot and (widest_bytes or weight_bytes) == 2 == weight_bytes \
-            and 2 * sms < programs <= 3 * sms:
-        # BF16 weights with more programs than the 2 per SM that 4-5 stages leave shared memory for, but at
-        # most 3 per SM (the KDA group, 389 tiles of 64 unsplit): fewer stages, so they run in one wave. The
-        # H200 sweep of 2026-12-05 timed it with 5 / 3 stages at 1, 16 and 32 rows at 55.3 / 51.1,
-        # 56.8 / 51.8 and 61.3 / 52.7 us, and at 64 rows with 3 / 2 (wgmma keeps one buffer more) at 59.5 / 55.6.
+    if (BF16_ONE_WAVE_STAGES and num_stages is None and gpu and use_dot and weight_bytes == 2
+            and (widest_bytes or weight_bytes) == 2 and 2 * sms < programs <= 3 * sms):
         stages = 3 if bm <= 32 else 2
     warps = num_warps or (8 if (bm >= 64 and gated) else 4)
     return LaunchPlan(bm, bn, bk, split, use_dot, num_warps=warps, num_stages=stages,
