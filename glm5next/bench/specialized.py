@@ -181,6 +181,11 @@ def _kind(layer) -> str:
     return ("kda" if layer.layer_kind == KDA else "dsa") + ("_moe" if layer.mlp_is_moe else "_dense")
 
 
+def _subtracted(case) -> str:
+    """A log line's note of what the case's times have subtracted: its boundaries alone (none: empty)."""
+    return "" if case.before_us is None else f"  (less the boundary alone, {case.before_us:.1f} us)"
+
+
 def _stage_rows(model, m: int, policy: Policy, bandwidth: float) -> list[dict]:
     rows = []
     for case in stage_cases(model, m):
@@ -196,8 +201,7 @@ def _stage_rows(model, m: int, policy: Policy, bandwidth: float) -> list[dict]:
         rows.append(row)
         log(f"  M={m} {case.stage:14s} {row['choice']:8s} "
             + (f"{row['us']:8.1f} us ({100 * row['bw_fraction']:5.1f} %)  " if "us" in row else "")
-            + f"stock {stock_us:8.1f} us ({100 * row['stock_bw_fraction']:5.1f} %)"
-            + (f"  (less the boundary alone, {case.before_us:.1f} us)" if case.before_us is not None else ""))
+            + f"stock {stock_us:8.1f} us ({100 * row['stock_bw_fraction']:5.1f} %)" + _subtracted(case))
     return rows
 
 
@@ -217,5 +221,5 @@ def tune_policy(model, sizes, replays: int = 20) -> tuple[Policy, dict]:
             tables.setdefault(case.stage, {})[str(m)] = best
             times.setdefault(case.stage, {})[str(m)] = measured
             log(f"M={m} {case.stage:14s} -> {best:8s} " + "  ".join(f"{c} {t:.1f} us" for c, t in measured.items())
-                + (f"  (less the boundary alone, {case.before_us:.1f} us)" if case.before_us is not None else ""))
+                + _subtracted(case))
     return Policy(tables, source="tuned"), times
