@@ -375,6 +375,28 @@ def test_boundary_sweep_sets_each_tiling_during_its_launches(monkeypatch):
     assert sweep.boundary_kernels.NUM_WARPS == 4 and sweep.boundary_kernels.FINISH_BY_TOKEN is False
 
 
+def test_boundary_sweep_times_token_finishers_when_asked(monkeypatch):
+    """`finishers` (False, True): each tiling also with a finisher program per token, passed to the launch,
+    without the by-token or scalar finisher forms (which it replaces); the default passes False."""
+    import glm5next.bench.sweep as sweep
+
+    seen = []
+    monkeypatch.setattr(sweep, "_time", lambda fn, calls, replays: fn() or 1.0)
+    monkeypatch.setattr(sweep, "boundary_mixer", lambda device: (None, None, None))
+    monkeypatch.setattr(sweep, "boundary_state", lambda T, device: (None,) * 4)
+    monkeypatch.setattr(sweep, "mhc_boundary", lambda *a, **k: seen.append(
+        (k["block_t"], k["finishers"], sweep.boundary_kernels.FINISH_BY_TOKEN)))
+    rows = sweep.sweep_boundary("cpu", [2], 1, block_ts=(1, 2), chunks=(32,), finish_scalar=(False, True),
+                                finishers=(False, True))
+    assert [r["variant"] for r in rows] == ["bt1-c32", "bt1-c32-scalar", "bt1-c32-finishers", "bt2-c32",
+                                            "bt2-c32-token", "bt2-c32-finishers"]
+    assert sorted(set(seen)) == [(1, False, False), (1, True, False), (2, False, False), (2, False, True),
+                                 (2, True, False)]
+    seen.clear()
+    sweep.sweep_boundary("cpu", [2], 1, block_ts=(2,), chunks=(32,))
+    assert {k[1] for k in seen} == {False}
+
+
 def test_boundary_sweep_times_deferral_when_asked(monkeypatch):
     """`deferred` (True, False): each tiling once as it is and once taking and leaving its comb
     pending; the default times only the plain launch."""

@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import triton
 
 from glm5next.config import MHC_POST_MULT
 from glm5next.kernels import boundary as fused
@@ -178,17 +179,19 @@ def test_launch_modes():
         fused.mhc_boundary(*args, **KW, pdl="early")
 
 
-@pytest.mark.parametrize("registers", [False, True, "scalar"])
+@pytest.mark.parametrize("registers", [False, True, "scalar", "finishers"])
 @pytest.mark.parametrize("T, D", [(1, 64), (3, 100)])
 def test_deferred_sinkhorn_chain_equals_the_plain_chain(monkeypatch, T, D, registers):
     """first -> boundary -> boundary -> last with every comb left pending (one Sinkhorn iteration) and
     finished by the next launch's chunk programs: the same streams, post, x and hidden states as the
     plain chain (bit for bit on the register path, which runs the same iterations on the same values;
     "scalar": that path with the scalar finisher where the blocks hold one token, at chunks of 32 columns,
-    where the deferred launches take it too), each pending comb
-    the reference's, and finishing it gives the plain comb."""
+    where the deferred launches take it too; "finishers": that path with `TOKEN_FINISHERS`, each token
+    finished on a program of its own), each pending comb the reference's, and finishing it gives the plain
+    comb."""
     monkeypatch.setattr(fused, "SINKHORN_IN_REGISTERS", bool(registers))
     monkeypatch.setattr(fused, "FINISH_SCALAR", registers == "scalar")
+    monkeypatch.setattr(fused, "TOKEN_FINISHERS", registers == "finishers")
     g = torch.Generator().manual_seed(300 + T)
     hcs = [_stock_hc(D, 40 + i) for i in range(3)]
     emb = torch.randn(T, D, generator=g)
@@ -382,3 +385,64 @@ def test_scalar_finisher_of_one_token_blocks(monkeypatch, T, D, dtype):
                             post=bufs["new_post"], comb=bufs["new_comb"], x=bufs["x"])
     for g, w in zip(first, ref.mhc_first(out, *_mixer(hc), norm_w, **KW)):
         _close(g, w, tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("T, D, block_t, chunk", [(1, 64, 1, 32), (5, 136, 4, 32), (3, 100, 8, 16)])
+def test_token_finishers(monkeypatch, T, D, block_t, chunk, dtype):
+    """`TOKEN_FINISHERS`: the chunk programs take blocks of several tokens and each token finishes on a
+    program of its own, which waits for its block's chunk programs. The boundary and the first layer
+    (x16 too, NaN-filled outputs, a part-empty last block at 5 tokens in blocks of 4) give the same bits
+    as one-token blocks finished by scalars (the same values, token by token), and match the reference;
+    both halves of the ticket counters are left reset for the next launch."""
+    monkeypatch.setattr(fused, "SINKHORN_IN_REGISTERS", True)
+    monkeypatch.setattr(fused, "FINISH_SCALAR", True)
+    out, streams, post, comb, hc, norm_w = _case(T, D, dtype, seed=71 + T)
+    one = fused.mhc_boundary(out, streams, post, comb, *_mixer(hc), norm_w, **KW, block_t=1, chunk=chunk)
+    p = fused.plan(T, D, N, False, block_t=block_t, chunk=chunk, finishers=True)
+    assert p["FINISHERS"] and p["BT"] == block_t and p["FIN"] >= D and not p["BY_TOKEN"]
+    x16 = torch.full((T, D), float("nan"), dtype=torch.float16)
+    got = fused.mhc_boundary(out, streams, post, comb, *_mixer(hc), norm_w, **KW, block_t=block_t, chunk=chunk,
+                             finishers=True, x16=x16, **_nan_buffers(T, D, dtype))
+    assert not fused._tickets(out.device).any()
+    for g, o in zip(got, one):
+        assert torch.equal(g, o)
+    assert torch.equal(x16, got[3].to(torch.float16))
+    tol = 1e-5 if dtype == torch.float32 else 3 * 2.0**-7
+    for g, w in zip(got, ref.mhc_boundary(out, streams, post, comb, *_mixer(hc), norm_w, **KW)):
+        _close(g, w, tol)
+    bufs = _nan_buffers(T, D, dtype)
+    first = fused.mhc_first(out, *_mixer(hc), norm_w, **KW, block_t=block_t, chunk=chunk, finishers=True,
+                            streams=bufs["new_streams"], post=bufs["new_post"], comb=bufs["new_comb"], x=bufs["x"])
+    assert not fused._tickets(out.device).any()
+    for g, o in zip(first, fused.mhc_first(out, *_mixer(hc), norm_w, **KW, block_t=1, chunk=chunk)):
+        assert torch.equal(g, o)
+    for g, w in zip(first, ref.mhc_first(out, *_mixer(hc), norm_w, **KW)):
+        _close(g, w, tol)
+
+
+def test_token_finishers_plan(monkeypatch):
+    """Token finishers need n = 4, Sinkhorn in registers and rows of at most 4096 (a row per finisher);
+    `TOKEN_FINISHERS` turns them on where the caller does not say, with blocks of up to
+    `FINISHER_BLOCK_T` tokens and chunks of `FINISHER_CHUNK` on the GPU unless given; the last layer's
+    launch never takes them (it has no mixer) and stays right."""
+    assert not fused.plan(8, 4096, N, False, finishers=True)["FINISHERS"]  # the interpreter's tile Sinkhorn
+    assert fused.plan(8, 4096, N, True, finishers=True)["FINISHERS"]
+    assert not fused.plan(8, 4096, 2, True, finishers=True)["FINISHERS"]
+    assert not fused.plan(8, 4100, N, True, finishers=True)["FINISHERS"]
+    assert not fused.plan(8, 4096, N, True)["FINISHERS"]  # off as shipped
+    monkeypatch.setattr(fused, "TOKEN_FINISHERS", True)
+    for T in (1, 2, 5, 8, 16, 64):
+        p = fused.plan(T, 4096, N, True)
+        assert p["FINISHERS"] and p["BT"] == min(triton.next_power_of_2(T), fused.FINISHER_BLOCK_T)
+        assert p["SUB"] * p["NSUB"] == fused.FINISHER_CHUNK and p["FIN"] == 4096
+    p = fused.plan(8, 4096, N, True, block_t=2, chunk=128)
+    assert p["FINISHERS"] and p["BT"] == 2 and p["SUB"] * p["NSUB"] == 128
+    assert not fused.plan(8, 4096, N, True, finishers=False)["FINISHERS"]
+    monkeypatch.setattr(fused, "SINKHORN_IN_REGISTERS", True)
+    T, D = 5, 100
+    out, streams, post, comb, _, norm_w = _case(T, D, torch.float32, seed=77)
+    hidden = fused.mhc_last(out, streams, post, comb, norm_w, norm_eps=NORM_EPS, block_t=4,
+                            hidden=torch.full((T, D), float("nan")))
+    _close(hidden, ref.mhc_last(out, streams, post, comb, norm_w, norm_eps=NORM_EPS), 1e-5)
+    assert not fused._tickets(out.device).any()

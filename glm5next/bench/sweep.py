@@ -282,12 +282,14 @@ def boundary_state(T: int, device):
 
 
 def sweep_boundary(device, t_values, replays: int, block_ts=(1, 2, 4), chunks=(32, 64, 128, 256, 512),
-                   warps=(4,), deferred=(False,), fp_fusion=(False,), finish_scalar=None) -> list[dict]:
+                   warps=(4,), deferred=(False,), fp_fusion=(False,), finish_scalar=None,
+                   finishers=(False,)) -> list[dict]:
     """The boundary's tilings at each token count, 64 launches in a row (`deferred` True: each takes
     its comb as pending and leaves its own so, the "fused-deferred" choice; `fp_fusion` True: compiled
     with floating-point contraction, as `boundary_kernels.FP_FUSION` allows; `finish_scalar` True: one-token
     blocks finish with the mixer's outputs as scalars, `boundary_kernels.FINISH_SCALAR`, which deferred launches
-    follow only at chunks of at most 32 columns; None: as shipped)."""
+    follow only at chunks of at most 32 columns; None: as shipped; `finishers` True: each token finishes on a
+    program of its own, `boundary_kernels.TOKEN_FINISHERS`, whatever the block)."""
     finish_scalar = (boundary_kernels.FINISH_SCALAR,) if finish_scalar is None else finish_scalar
     D, n = BOUNDARY_D, BOUNDARY_N
     rows = []
@@ -301,18 +303,21 @@ def sweep_boundary(device, t_values, replays: int, block_ts=(1, 2, 4), chunks=(3
         for block_t in block_ts:
             if block_t > T:
                 continue
-            # Blocks of several tokens: both finishers (tiles stored and re-read, or token by token).
-            for chunk, by_token, nw, defer, fma, scalar in itertools.product(
-                    chunks, (False, True) if block_t > 1 else (False,), warps, deferred, fp_fusion,
-                    finish_scalar if block_t == 1 else (False,)):  # several tokens a block: no scalar form
-                def run(block_t=block_t, chunk=chunk, defer=defer):
+            # Blocks of several tokens: both finishers (tiles stored and re-read, or token by token), and
+            # token finishers (a program per token, whatever the block: no other finisher form then).
+            forms = [(by_token, scalar, fin) for fin in finishers
+                     for by_token in ((False, True) if block_t > 1 and not fin else (False,))
+                     for scalar in (finish_scalar if block_t == 1 and not fin else (False,))]
+            for chunk, (by_token, scalar, fin), nw, defer, fma in itertools.product(
+                    chunks, forms, warps, deferred, fp_fusion):
+                def run(block_t=block_t, chunk=chunk, defer=defer, fin=fin):
                     for mx in mixers:
                         mhc_boundary(out, streams, post, comb, *mx, **kw, new_streams=bufs[0], new_post=bufs[1],
                                      new_comb=bufs[2], x=bufs[3], block_t=block_t, chunk=chunk,
-                                     defer_sinkhorn=defer, comb_pending=defer)
+                                     defer_sinkhorn=defer, comb_pending=defer, finishers=fin)
                 label = f"bt={block_t} chunk={chunk:3d}" + (" by token" if by_token else "") + (
                     f" warps={nw}" if nw != 4 else "") + (" deferred" if defer else "") + (
-                    " contracted" if fma else "") + (" scalar" if scalar else "")
+                    " contracted" if fma else "") + (" scalar" if scalar else "") + (" finishers" if fin else "")
                 fn = _with(boundary_kernels, "NUM_WARPS", nw, _with(boundary_kernels, "FINISH_BY_TOKEN", by_token, run))
                 fn = _with(boundary_kernels, "FINISH_SCALAR", scalar, _with(boundary_kernels, "FP_FUSION", fma, fn))
                 try:
@@ -322,7 +327,8 @@ def sweep_boundary(device, t_values, replays: int, block_ts=(1, 2, 4), chunks=(3
                     torch.cuda.synchronize()
                     continue
                 variant = (f"bt{block_t}-c{chunk}{'-token' if by_token else ''}{f'-w{nw}' if nw != 4 else ''}"
-                           f"{'-deferred' if defer else ''}{'-contracted' if fma else ''}{'-scalar' if scalar else ''}")
+                           f"{'-deferred' if defer else ''}{'-contracted' if fma else ''}{'-scalar' if scalar else ''}"
+                           f"{'-finishers' if fin else ''}")
                 rows.append(dict(case="boundary", m=T, variant=variant, us=us))
                 print(f"boundary        T={T:2d} {label:32s} {us:8.2f} us", flush=True)
     return rows
@@ -422,6 +428,8 @@ def main(argv=None) -> None:
                    help="time each boundary tiling also compiled with floating-point contraction")
     p.add_argument("--finish-scalar", action="store_true",
                    help="time each one-token-block tiling also with the scalar finisher (FINISH_SCALAR)")
+    p.add_argument("--finishers", action="store_true",
+                   help="time each boundary tiling also with a finisher program per token (TOKEN_FINISHERS)")
     p.add_argument("--resident", action="store_true",
                    help="time the projections on one weight instance, so its bytes stay in L2")
     p.add_argument("--variants", default=None, help=f"comma-separated subset of {', '.join(VARIANTS)}")
@@ -445,7 +453,7 @@ def main(argv=None) -> None:
                                [int(b) for b in a.block_t.split(",")], [int(c) for c in a.chunks.split(",")],
                                [int(w) for w in a.warps.split(",")], (False, True) if a.deferred else (False,),
                                (False, True) if a.fp_fusion else (False,),
-                               (False, True) if a.finish_scalar else None)
+                               (False, True) if a.finish_scalar else None, (False, True) if a.finishers else (False,))
     if not a.skip_linear:
         rows += sweep_linear(device, [int(m) for m in a.m.split(",")], bw["bytes_per_s"], a.replays, variants, cases,
                              a.resident)

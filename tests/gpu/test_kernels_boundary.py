@@ -48,12 +48,14 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-@pytest.mark.parametrize("scalar", [False, True], ids=["tiles", "scalar"])
+@pytest.mark.parametrize("form", ["tiles", "scalar", "finishers"])
 @pytest.mark.parametrize("T", TOKENS)
-def test_boundary_first_last_match_reference(T, scalar, monkeypatch):
-    """Each token count against the reference, with the finisher as shipped and with `FINISH_SCALAR`
-    (which one-token blocks, up to 16 tokens, then take)."""
-    monkeypatch.setattr(fused, "FINISH_SCALAR", scalar)
+def test_boundary_first_last_match_reference(T, form, monkeypatch):
+    """Each token count against the reference, with the finisher as shipped, with `FINISH_SCALAR`
+    (which one-token blocks, up to 16 tokens, then take) and with `TOKEN_FINISHERS` (blocks of up to 8
+    tokens, each token finished on a program of its own; the last layer keeps its finisher)."""
+    monkeypatch.setattr(fused, "FINISH_SCALAR", form != "tiles")
+    monkeypatch.setattr(fused, "TOKEN_FINISHERS", form == "finishers")
     g = torch.Generator().manual_seed(T)
     mixer, nxt = _mixer(g), _mixer(g)
     out, streams, post, comb = _inputs(T, g, mixer)
@@ -80,8 +82,12 @@ def test_boundary_first_last_match_reference(T, scalar, monkeypatch):
     assert _rel(hidden, ref.mhc_last(out, streams, post, comb, nxt[3], norm_eps=KW["norm_eps"])) <= 2e-2
 
 
+@pytest.mark.parametrize("finishers", [False, True], ids=["shipped", "finishers"])
 @pytest.mark.parametrize("T", [1, 3, 8, 64])
-def test_graph_replay_matches_eager(T):
+def test_graph_replay_matches_eager(T, finishers, monkeypatch):
+    """Captured and replayed with new inputs: the same bits as eager launches (with `TOKEN_FINISHERS`
+    too, whose counters the launch must leave reset for the next replay)."""
+    monkeypatch.setattr(fused, "TOKEN_FINISHERS", finishers)
     g = torch.Generator().manual_seed(100 + T)
     mixer, nxt = _mixer(g), _mixer(g)
     static = _inputs(T, g, mixer)
@@ -111,10 +117,12 @@ def test_graph_replay_matches_eager(T):
         torch.cuda.synchronize()
         for a, b in zip(captured[0] + captured[1] + (captured[2],), eager[0] + eager[1] + (eager[2],)):
             assert torch.equal(a, b)
+    assert not fused._tickets(emb.device).any()
 
 
 @pytest.mark.parametrize("mode", [True, "late", "deferred"])
-@pytest.mark.parametrize("T, scalar", [(1, False), (5, False), (24, False), (64, False), (1, True), (5, True)])
+@pytest.mark.parametrize("T, scalar", [(1, False), (5, False), (24, False), (64, False), (1, True), (5, True),
+                                      (1, "finishers"), (5, "finishers"), (16, "finishers")])
 def test_programmatic_chain_in_a_graph_equals_the_plain_chain(T, scalar, mode, monkeypatch):
     """first -> boundary -> boundary -> last with every launch a programmatic dependent of the one before
     (each reads what the previous wrote, and prefetches its mixer before waiting for it; "late": each
@@ -122,8 +130,10 @@ def test_programmatic_chain_in_a_graph_equals_the_plain_chain(T, scalar, mode, m
     launch to finish), captured and replayed with new inputs: every output equals the eager chain of
     plain launches bit for bit (a pending comb, once finished, the plain comb to 1e-5); with the
     finisher as shipped and with `FINISH_SCALAR` (then at chunks of 32 columns, where deferred launches
-    finish by scalars too, so both chains take the same finisher)."""
-    monkeypatch.setattr(fused, "FINISH_SCALAR", scalar)
+    finish by scalars too, so both chains take the same finisher); "finishers": with `TOKEN_FINISHERS`,
+    blocks of up to 8 tokens whose tokens each finish on a program of their own, in both chains."""
+    monkeypatch.setattr(fused, "FINISH_SCALAR", bool(scalar))
+    monkeypatch.setattr(fused, "TOKEN_FINISHERS", scalar == "finishers")
     g = torch.Generator().manual_seed(200 + T)
     mixers = [_mixer(g) for _ in range(3)]
     emb = torch.randn(T, D, generator=g).to(torch.bfloat16).cuda()
@@ -131,7 +141,7 @@ def test_programmatic_chain_in_a_graph_equals_the_plain_chain(T, scalar, mode, m
 
     def chain(mode):
         pdl, defer = (True, True) if mode == "deferred" else (mode, False)
-        out_kw = dict(pdl=pdl, defer_sinkhorn=defer, **({"chunk": 32} if scalar else {}))
+        out_kw = dict(pdl=pdl, defer_sinkhorn=defer, **({"chunk": 32} if scalar is True else {}))
         res = [mhc_first(emb, *mixers[0], **KW, **out_kw)]
         for i in (1, 2):
             s, p, c, _ = res[-1]

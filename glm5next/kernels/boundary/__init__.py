@@ -56,10 +56,35 @@ None: on the GPU. Off until the H200 has timed it (compiled for sm_90 without sp
 block); the tiling sweep times both, the tests check it on the CPU."""
 
 
-def plan(T: int, D: int, n: int, on_gpu: bool, block_t: int | None = None, chunk: int | None = None) -> dict:
-    """Tile sizes: token block BT, chunk of D per program (SUB * NSUB), finisher tiles NCB and FIN."""
+TOKEN_FINISHERS = False
+"""Whether a boundary (or the first layer's launch; not the last layer's, which has no mixer) finishes each
+token on a program of its own: the grid gets, per token block, one finisher program per token beside the
+chunk programs; each waits (spinning on the block's ticket counter) for the block's chunk programs, then
+finishes its token as the scalar finisher does (`kernel._token_finisher`). Blocks of several tokens then
+read each chunk of the mixer once for all their tokens without finishing them one after another on one
+SM. Needs n = 4, Sinkhorn in registers and rows of at most 4096. Off: the H200 has not timed it (the tiling
+sweep's `--finishers` does); on the GPU it then takes blocks of up to `FINISHER_BLOCK_T` tokens."""
+FINISHER_BLOCK_T = 8
+"""The token block of a launch with token finishers when the caller gives none (GPU)."""
+FINISHER_CHUNK = 64
+"""The chunk of the hidden size of a launch with token finishers when the caller gives none (GPU)."""
+
+
+def plan(T: int, D: int, n: int, on_gpu: bool, block_t: int | None = None, chunk: int | None = None,
+         finishers: bool | None = None) -> dict:
+    """Tile sizes: token block BT, chunk of D per program (SUB * NSUB), finisher tiles NCB and FIN, and
+    FINISHERS, whether each token finishes on a program of its own (`finishers`; None: `TOKEN_FINISHERS`,
+    where the launch allows it)."""
     rows = _p2(n + 3)
     w = rows * n
+    # Sinkhorn's form: 0 [n, n] tiles, 1 registers, 2 registers with the approximate reciprocal.
+    regs = on_gpu if SINKHORN_IN_REGISTERS is None else SINKHORN_IN_REGISTERS
+    sk4 = (2 if on_gpu and SINKHORN_RCP else 1) if regs else 0
+    fin = bool(TOKEN_FINISHERS if finishers is None else finishers) and n == 4 and sk4 > 0 and _p2(D) <= 4096
+    if block_t is None and fin and on_gpu:
+        block_t = min(_p2(T), FINISHER_BLOCK_T)
+    if chunk is None and fin and on_gpu:
+        chunk = FINISHER_CHUNK
     if block_t is None:
         # On an H200 one token per program is fastest up to 16 tokens (the finisher's work is per
         # token block and runs on one SM; at 16 with deferred Sinkhorn, 12.2 us against 14.5 on
@@ -82,9 +107,9 @@ def plan(T: int, D: int, n: int, on_gpu: bool, block_t: int | None = None, chunk
     # Registers bound the GPU's sub-tile; the interpreter pays per operation, so one sub-tile per chunk.
     sub = min(chunk, max(16, min(64, 2048 // (bt * w)))) if on_gpu else chunk
     nc = triton.cdiv(D, chunk)
-    # Sinkhorn's form: 0 [n, n] tiles, 1 registers, 2 registers with the approximate reciprocal.
-    regs = on_gpu if SINKHORN_IN_REGISTERS is None else SINKHORN_IN_REGISTERS
-    sk4 = (2 if on_gpu and SINKHORN_RCP else 1) if regs else 0
+    if fin:  # every finisher takes one token, its whole row in registers
+        return dict(ROWS=rows, BT=bt, SUB=sub, NSUB=chunk // sub, NC=nc, NT=triton.cdiv(T, bt),
+                    NCB=min(_p2(nc), max(1, 1024 // w)), FIN=_p2(D), SK4=sk4, BY_TOKEN=False, FINISHERS=True)
     # The finisher of a block of several tokens: token by token with a whole row in registers, or the
     # whole block in FIN-wide tiles (the collapsed rows stored, then read back for the norm).
     by_token = bt > 1 and _p2(D) <= 4096 and (on_gpu if FINISH_BY_TOKEN is None else FINISH_BY_TOKEN)
@@ -92,7 +117,7 @@ def plan(T: int, D: int, n: int, on_gpu: bool, block_t: int | None = None, chunk
         ROWS=rows, BT=bt, SUB=sub, NSUB=chunk // sub, NC=nc, NT=triton.cdiv(T, bt),
         NCB=min(_p2(nc), max(1, 1024 // (bt * w))),
         FIN=_p2(D) if by_token else min(_p2(D), max(16, 4096 // bt)),
-        SK4=sk4, BY_TOKEN=by_token,
+        SK4=sk4, BY_TOKEN=by_token, FINISHERS=False,
     )
 
 
@@ -131,17 +156,19 @@ def finishes_by_scalars(p: dict, mode: int, n: int, D: int, defer: bool = False)
 
 def _launch(mode, out, streams, post, comb, fn, base, scale, w, new_streams, new_post, new_comb, x,
             hc_eps, rms_eps, norm_eps, sinkhorn_iters, post_mult, block_t, chunk, pdl, defer=False, pending_iters=0,
-            x16=None):
+            x16=None, finishers=None):
     """`defer`: the finisher leaves new_comb pending (one Sinkhorn iteration); `pending_iters`: the
-    iterations `comb` still needs (0: it is final); `x16`: a buffer for x in fp16 as well."""
+    iterations `comb` still needs (0: it is final); `x16`: a buffer for x in fp16 as well; `finishers`: token
+    finishers (`TOKEN_FINISHERS`) or not, None: the module's choice."""
     T, D = out.shape
     n = streams.shape[1] if new_streams is None else new_streams.shape[1]
     if not 1 <= T:
         raise ValueError("need at least one token")
-    p = plan(T, D, n, out.is_cuda, block_t, chunk)
+    # The last layer's launch (mode 2) has no mixer to finish: no token finishers there.
+    p = plan(T, D, n, out.is_cuda, block_t, chunk, finishers if mode != 2 else False)
     nt = p.pop("NT")
-    if nt > MAX_TICKETS:
-        raise ValueError(f"{T} tokens need {nt} ticket counters (max {MAX_TICKETS})")
+    if nt > MAX_TICKETS // 2:  # with token finishers, the upper half holds their own counters
+        raise ValueError(f"{T} tokens need {nt} ticket counters (max {MAX_TICKETS // 2})")
     for t in (new_streams, new_post, new_comb, x):
         if t is not None and not t.is_contiguous():
             raise ValueError("output buffers must be contiguous")
@@ -156,9 +183,10 @@ def _launch(mode, out, streams, post, comb, fn, base, scale, w, new_streams, new
     want = PDL if pdl is None else pdl  # None: wherever the device has it
     late = pdl == "late"
     pdl = want is not False and _pdl.enabled(out.device)
-    stamped = _stamps.check(STAMPS, p["NC"] * nt, out.device)
-    scalar = finishes_by_scalars(p, mode, n, D, defer)
-    mhc_kernel[(p["NC"], nt)](
+    width = p["NC"] + (p["BT"] if p["FINISHERS"] else 0)  # programs per token block
+    stamped = _stamps.check(STAMPS, width * nt, out.device)
+    scalar = finishes_by_scalars(p, mode, n, D, defer) and not p["FINISHERS"]
+    mhc_kernel[(width, nt)](
         out, dummy if streams is None else streams, dummy if post is None else post,
         dummy if comb is None else comb, dummy if fn is None else fn, dummy if base is None else base,
         dummy if scale is None else scale, w,
@@ -168,7 +196,7 @@ def _launch(mode, out, streams, post, comb, fn, base, scale, w, new_streams, new
         T, float(hc_eps), float(rms_eps), float(norm_eps), float(post_mult), STAMPS if stamped else part,
         x if x16 is None else x16,
         D=D, N=n, MODE=mode, ITERS=1 if defer else int(sinkhorn_iters), PDL=pdl, RELEASE_LATE=pdl and late,
-        ITERS_IN=int(pending_iters), STAMP=stamped, X16=x16 is not None, SCALAR=scalar, **p,
+        ITERS_IN=int(pending_iters), STAMP=stamped, X16=x16 is not None, SCALAR=scalar, DONE_AT=MAX_TICKETS // 2, **p,
         num_warps=NUM_WARPS, enable_fp_fusion=FP_FUSION,
         **({"launch_pdl": True} if pdl else {}),
     )
@@ -204,7 +232,7 @@ def mhc_boundary(
     out, streams, post, comb, fn, base, scale, norm_weight, *,
     hc_eps, rms_eps, norm_eps, sinkhorn_iters, post_mult,
     new_streams=None, new_post=None, new_comb=None, x=None, block_t=None, chunk=None,
-    pdl=None, defer_sinkhorn=False, comb_pending=False, x16=None,
+    pdl=None, defer_sinkhorn=False, comb_pending=False, x16=None, finishers=None,
 ):
     """(new_streams [T, n, D], new_post [T, n] fp32, new_comb [T, n, n] fp32, x [T, D]).
 
@@ -218,6 +246,7 @@ def mhc_boundary(
     chain of iterations then runs in that launch's chunk programs instead of this one's finisher.
     `x16`: a contiguous fp16 [T, D] buffer that receives x in fp16 too (exact where x is within fp16's
     range), for FP8 projections whose fp16 products read it (`glm5next.kernels.linear`'s `x16`).
+    `finishers`: each token finishes on a program of its own (`TOKEN_FINISHERS`, which None follows).
     """
     T, n, D = streams.shape
     _check_mixer(fn, base, scale, n, D)
@@ -226,7 +255,7 @@ def mhc_boundary(
     new_streams, new_post, new_comb, x = _buffers(out, streams.dtype, n, new_streams, new_post, new_comb, x)
     _launch(0, _c(out), _c(streams), _c(post), _c(comb), _c(fn), _c(base), _c(scale), _c(norm_weight),
             new_streams, new_post, new_comb, x, hc_eps, rms_eps, norm_eps, sinkhorn_iters, post_mult, block_t, chunk,
-            pdl, defer_sinkhorn, sinkhorn_iters - 1 if comb_pending else 0, x16)
+            pdl, defer_sinkhorn, sinkhorn_iters - 1 if comb_pending else 0, x16, finishers)
     return new_streams, new_post, new_comb, x
 
 
@@ -234,17 +263,17 @@ def mhc_first(
     embedded, fn, base, scale, norm_weight, *,
     hc_eps, rms_eps, norm_eps, sinkhorn_iters, post_mult,
     streams=None, post=None, comb=None, x=None, block_t=None, chunk=None, pdl=None, defer_sinkhorn=False,
-    x16=None,
+    x16=None, finishers=None,
 ):
     """(streams [T, n, D], post, comb, x) of the first layer: n copies of `embedded` [T, D], pre, norm
-    (`defer_sinkhorn` and `x16` as in `mhc_boundary`)."""
+    (`defer_sinkhorn`, `x16` and `finishers` as in `mhc_boundary`)."""
     T, D = embedded.shape
     n = fn.shape[1] // D
     _check_mixer(fn, base, scale, n, D)
     streams, post, comb, x = _buffers(embedded, embedded.dtype, n, streams, post, comb, x)
     _launch(1, _c(embedded), None, None, None, _c(fn), _c(base), _c(scale), _c(norm_weight),
             streams, post, comb, x, hc_eps, rms_eps, norm_eps, sinkhorn_iters, post_mult, block_t, chunk, pdl,
-            defer_sinkhorn, x16=x16)
+            defer_sinkhorn, x16=x16, finishers=finishers)
     return streams, post, comb, x
 
 

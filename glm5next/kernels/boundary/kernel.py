@@ -330,8 +330,8 @@ def _norm_store(xp, x16p, xv, r, wv, m, X16: tl.constexpr):
 
 
 @triton.jit
-def mhc_kernel(
-    out_ptr, streams_ptr, post_ptr, comb_ptr,
+def _chunk_program(
+    c, tb, out_ptr, streams_ptr, post_ptr, comb_ptr,
     fn_ptr, base_ptr, scale_ptr, w_ptr,
     new_streams_ptr, new_post_ptr, new_comb_ptr, x_ptr,
     part_ptr, ticket_ptr,
@@ -339,16 +339,15 @@ def mhc_kernel(
     D: tl.constexpr, N: tl.constexpr, ROWS: tl.constexpr, MODE: tl.constexpr, ITERS: tl.constexpr,
     BT: tl.constexpr, SUB: tl.constexpr, NSUB: tl.constexpr, NC: tl.constexpr, NCB: tl.constexpr,
     FIN: tl.constexpr, SK4: tl.constexpr, BY_TOKEN: tl.constexpr, PDL: tl.constexpr,
-    RELEASE_LATE: tl.constexpr = False, ITERS_IN: tl.constexpr = 0, STAMP: tl.constexpr = False,
-    X16: tl.constexpr = False, SCALAR: tl.constexpr = False,
+    RELEASE_LATE: tl.constexpr, ITERS_IN: tl.constexpr, STAMP: tl.constexpr,
+    X16: tl.constexpr, SCALAR: tl.constexpr, FINISHERS: tl.constexpr,
 ):
-    _stamp(stamp_ptr, 0, STAMP)
+    """Program (c, tb): chunk c of the hidden size for token block tb, then its ticket; without
+    FINISHERS the program that draws the block's last ticket finishes the block."""
     W: tl.constexpr = ROWS * N
     SSQ: tl.constexpr = (2 + N) * N
     CHUNK: tl.constexpr = SUB * NSUB
     dtype = x_ptr.dtype.element_ty
-    c = tl.program_id(0)
-    tb = tl.program_id(1)
     tok = tb * BT + tl.arange(0, BT)
     tmask = tok < T
     kk = tl.arange(0, W)
@@ -421,19 +420,101 @@ def mhc_kernel(
     if PDL and RELEASE_LATE:
         _launch_dependents()
     ticket = tl.atomic_add(ticket_ptr + tb, 1, sem="acq_rel")
-    if ticket == NC - 1:
+    if not FINISHERS:  # else the token finishers take over from here
+        if ticket == NC - 1:
+            tl.store(ticket_ptr + tb, 0)
+            _stamp(stamp_ptr, 4, STAMP)
+            if SCALAR:  # one token per block, n = 4, a row in one tile, Sinkhorn in registers; not the last layer
+                _finish_token(
+                    tb, base_ptr, scale_ptr, w_ptr, new_streams_ptr, new_post_ptr, new_comb_ptr, x_ptr, part_ptr, x16_ptr,
+                    hc_eps, rms_eps, norm_eps, post_mult, stamp_ptr, D, ROWS, ITERS, NC, NCB, FIN, SK4 == 2, X16, STAMP,
+                )
+            else:
+                _mhc_finish(
+                    tok, tmask, kk,
+                    fn_ptr, base_ptr, scale_ptr, w_ptr, new_streams_ptr, new_post_ptr, new_comb_ptr, x_ptr, part_ptr,
+                    x16_ptr, hc_eps, rms_eps, norm_eps, post_mult, stamp_ptr,
+                    D, N, ROWS, MODE, ITERS, BT, NC, NCB, FIN, SK4, BY_TOKEN, X16, STAMP,
+                )
+
+
+@triton.jit
+def _token_finisher(
+    c, tb, base_ptr, scale_ptr, w_ptr, new_streams_ptr, new_post_ptr, new_comb_ptr, x_ptr, part_ptr, ticket_ptr,
+    T, hc_eps, rms_eps, norm_eps, post_mult, stamp_ptr, x16_ptr,
+    D: tl.constexpr, ROWS: tl.constexpr, ITERS: tl.constexpr, BT: tl.constexpr, NC: tl.constexpr,
+    NCB: tl.constexpr, FIN: tl.constexpr, SK4: tl.constexpr, PDL: tl.constexpr, RELEASE_LATE: tl.constexpr,
+    STAMP: tl.constexpr, X16: tl.constexpr, DONE_AT: tl.constexpr,
+):
+    """Program (NC + u, tb) of a launch with token finishers: it waits (spinning on the block's ticket
+    counter) until the block's NC chunk programs have stored their partials, then finishes token
+    tb * BT + u alone (`_finish_token`), so a block's BT tokens finish side by side on BT SMs. The last
+    of the block's BT finishers to end resets its ticket and its own counter (at DONE_AT past it) for the
+    next launch."""
+    t0 = tb * BT + (c - NC)
+    if PDL:
+        if not RELEASE_LATE:
+            _launch_dependents()
+        _stamp(stamp_ptr, 1, STAMP)
+        _wait_previous()
+        _stamp(stamp_ptr, 2, STAMP)
+    arrived = tl.atomic_add(ticket_ptr + tb, 0, sem="acquire")
+    while arrived < NC:
+        arrived = tl.atomic_add(ticket_ptr + tb, 0, sem="acquire")
+    if PDL and RELEASE_LATE:
+        _launch_dependents()  # as the chunk programs have: the next kernel may start beside the finish
+    _stamp(stamp_ptr, 4, STAMP)
+    if t0 < T:
+        _finish_token(
+            t0, base_ptr, scale_ptr, w_ptr, new_streams_ptr, new_post_ptr, new_comb_ptr, x_ptr, part_ptr, x16_ptr,
+            hc_eps, rms_eps, norm_eps, post_mult, stamp_ptr, D, ROWS, ITERS, NC, NCB, FIN, SK4 == 2, X16, STAMP,
+        )
+    done = tl.atomic_add(ticket_ptr + DONE_AT + tb, 1, sem="acq_rel")
+    if done == BT - 1:
         tl.store(ticket_ptr + tb, 0)
-        _stamp(stamp_ptr, 4, STAMP)
-        if SCALAR:  # one token per block, n = 4, a row in one tile, Sinkhorn in registers; not the last layer
-            _finish_token(
-                tb, base_ptr, scale_ptr, w_ptr, new_streams_ptr, new_post_ptr, new_comb_ptr, x_ptr, part_ptr, x16_ptr,
-                hc_eps, rms_eps, norm_eps, post_mult, stamp_ptr, D, ROWS, ITERS, NC, NCB, FIN, SK4 == 2, X16, STAMP,
+        tl.store(ticket_ptr + DONE_AT + tb, 0)
+
+
+@triton.jit
+def mhc_kernel(
+    out_ptr, streams_ptr, post_ptr, comb_ptr,
+    fn_ptr, base_ptr, scale_ptr, w_ptr,
+    new_streams_ptr, new_post_ptr, new_comb_ptr, x_ptr,
+    part_ptr, ticket_ptr,
+    T, hc_eps, rms_eps, norm_eps, post_mult, stamp_ptr, x16_ptr,
+    D: tl.constexpr, N: tl.constexpr, ROWS: tl.constexpr, MODE: tl.constexpr, ITERS: tl.constexpr,
+    BT: tl.constexpr, SUB: tl.constexpr, NSUB: tl.constexpr, NC: tl.constexpr, NCB: tl.constexpr,
+    FIN: tl.constexpr, SK4: tl.constexpr, BY_TOKEN: tl.constexpr, PDL: tl.constexpr,
+    RELEASE_LATE: tl.constexpr = False, ITERS_IN: tl.constexpr = 0, STAMP: tl.constexpr = False,
+    X16: tl.constexpr = False, SCALAR: tl.constexpr = False, FINISHERS: tl.constexpr = False,
+    DONE_AT: tl.constexpr = 0,
+):
+    """Grid (NC, token blocks), or with FINISHERS (NC + BT, token blocks): the chunk programs, then one
+    token finisher per token of the block (`_token_finisher`)."""
+    _stamp(stamp_ptr, 0, STAMP)
+    c = tl.program_id(0)
+    tb = tl.program_id(1)
+    if FINISHERS:
+        if c >= NC:
+            _token_finisher(
+                c, tb, base_ptr, scale_ptr, w_ptr, new_streams_ptr, new_post_ptr, new_comb_ptr, x_ptr, part_ptr,
+                ticket_ptr, T, hc_eps, rms_eps, norm_eps, post_mult, stamp_ptr, x16_ptr,
+                D, ROWS, ITERS, BT, NC, NCB, FIN, SK4, PDL, RELEASE_LATE, STAMP, X16, DONE_AT,
             )
         else:
-            _mhc_finish(
-                tok, tmask, kk,
-                fn_ptr, base_ptr, scale_ptr, w_ptr, new_streams_ptr, new_post_ptr, new_comb_ptr, x_ptr, part_ptr,
-                x16_ptr, hc_eps, rms_eps, norm_eps, post_mult, stamp_ptr,
-                D, N, ROWS, MODE, ITERS, BT, NC, NCB, FIN, SK4, BY_TOKEN, X16, STAMP,
+            _chunk_program(
+                c, tb, out_ptr, streams_ptr, post_ptr, comb_ptr, fn_ptr, base_ptr, scale_ptr, w_ptr,
+                new_streams_ptr, new_post_ptr, new_comb_ptr, x_ptr, part_ptr, ticket_ptr,
+                T, hc_eps, rms_eps, norm_eps, post_mult, stamp_ptr, x16_ptr,
+                D, N, ROWS, MODE, ITERS, BT, SUB, NSUB, NC, NCB, FIN, SK4, BY_TOKEN, PDL,
+                RELEASE_LATE, ITERS_IN, STAMP, X16, SCALAR, True,
             )
+    else:
+        _chunk_program(
+            c, tb, out_ptr, streams_ptr, post_ptr, comb_ptr, fn_ptr, base_ptr, scale_ptr, w_ptr,
+            new_streams_ptr, new_post_ptr, new_comb_ptr, x_ptr, part_ptr, ticket_ptr,
+            T, hc_eps, rms_eps, norm_eps, post_mult, stamp_ptr, x16_ptr,
+            D, N, ROWS, MODE, ITERS, BT, SUB, NSUB, NC, NCB, FIN, SK4, BY_TOKEN, PDL,
+            RELEASE_LATE, ITERS_IN, STAMP, X16, SCALAR, False,
+        )
     _stamp(stamp_ptr, 7, STAMP)  # END
