@@ -664,3 +664,67 @@ def test_held_steps_are_capped():
     assert held_steps(plan, fp8, 3, False) == 2 and held_steps(plan, fp8, 1, False) == 1
     assert held_steps(plan, fp8, 8, True) == min(4, HOLD_BYTES // 16384)
     assert held_steps(plan, bf16, 8, False) == min(4, HOLD_BYTES // 16384)
+
+
+@pytest.mark.parametrize("split_k", [1, 2], ids=["nosplit", "split2"])
+@pytest.mark.parametrize("mode", [None, "tma"])
+def test_row_halves_at_33_to_64_rows(split_k, mode, monkeypatch):
+    """`halves`: 33-64 rows of FP8 weights as two 32-row products that share each widened weight tile: plain,
+    gated (with its fp16 output copy), grouped, and fp16 products from an x16 copy, at 37 rows (the second
+    half mostly padding) and 64, NaN-filled, against the reference and the same bits as the one-product
+    launch up to the products' rounding; the kernel takes the halves' path."""
+    from glm5next.kernels.linear import kernel as K
+
+    calls = []
+    real = K.skinny_kernel
+
+    class Seen:  # the launches' HALVES
+        def __getitem__(self, grid):
+            def launch(*a, **k):
+                calls.append(k["HALVES"])
+                return real[grid](*a, **k)
+            return launch
+
+    monkeypatch.setattr(K, "skinny_kernel", Seen())
+    g = torch.Generator().manual_seed(41)
+    K_ = 320
+    w, s = make_weight("fp8", 130, K_, g)
+    w2, s2 = make_weight("fp8", 130, K_, g)
+    group = [make_weight("fp8", n, K_, g) for n in (70, 37)]
+    for m in (37, 64):
+        x = torch.randn(m, K_, generator=g).to(torch.bfloat16)
+        x16 = x.to(torch.float16)
+        for half, copy in ((None, None), (True, x16)):
+            kw = dict(split_k=split_k, mode=mode, half=half, x16=copy)
+            calls.clear()
+            got = skinny_linear(x, w, s, out=nan_out(m, 130, torch.bfloat16), halves=True, **kw)
+            assert calls == [True]
+            assert rel_err(got, linear_reference(x, w, s)) <= 1e-2
+            assert rel_err(got, skinny_linear(x, w, s, halves=False, **kw)) <= 1e-2
+            o16 = torch.full((m, 130), float("nan"), dtype=torch.float16)
+            gated = gate_up_swiglu(x, w, s, w2, s2, 7.0, out=nan_out(m, 130, torch.bfloat16), out16=o16,
+                                   halves=True, **kw)
+            assert rel_err(gated, gate_up_swiglu_reference(x, w, s, w2, s2, 7.0)) <= 1e-2
+            assert torch.equal(o16, gated.to(torch.float16))
+            outs = [nan_out(m, n, torch.bfloat16) for n in (70, 37)]
+            for y, ref in zip(skinny_linear_multi(x, group, outs, halves=True, **kw), linear_multi_reference(x, group)):
+                assert rel_err(y, ref) <= 1e-2
+    assert not tile_counters(x.device).any()
+
+
+def test_row_halves_plan(monkeypatch):
+    """The plan takes row halves only at BLOCK_M 64 (33-64 rows) for FP8 weights against 16-bit activations,
+    operands not swapped; `HALVES` (off) is the default, and with halves the stages count mma.sync's buffers."""
+    import glm5next.kernels.linear as plans
+
+    assert plan_launch(37, [4096], 12288, 1, "cuda", 132, halves=True).halves
+    assert plan_launch(64, [12288], 4096, 1, "cuda", 132, True, halves=True).halves
+    assert not plan_launch(32, [4096], 12288, 1, "cuda", 132, halves=True).halves
+    assert not plan_launch(64, [4096], 12288, 1, "cuda", 132, halves=True, mode="swap").halves
+    assert not plan_launch(64, [4096], 12288, 2, "cuda", 132, halves=True).halves  # BF16 weights
+    assert not plan_launch(64, [4096], 12288, 1, "cuda", 132, halves=True, x_bytes=4).halves
+    assert not plan_launch(64, [4096], 12288, 1, "cuda", 132).halves
+    one, two = (plan_launch(64, [12288], 4096, 1, "cuda", 132, True, halves=h) for h in (False, True))
+    assert two.num_stages == one.num_stages + 1 and (two.split_k, two.block_n) == (one.split_k, one.block_n)
+    monkeypatch.setattr(plans, "HALVES", True)
+    assert plan_launch(48, [4096], 16384, 1, "cuda", 132).halves

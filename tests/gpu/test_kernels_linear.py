@@ -108,6 +108,26 @@ def test_fp32_activations_are_tight(weights, name):
             assert rel_err(y, ref) <= 1e-4, (name, m)
 
 
+def test_the_kda_group_in_one_wave_matches(weights, monkeypatch):
+    """`BF16_ONE_WAVE_STAGES`: the KDA group's plans take 3 pipeline stages up to 32 rows and 2 at 33-64, and
+    their outputs (NaN-filled) match the reference at every decode size, the same bits as the default plans'
+    up to rounding of the split sums (one program a tile, so the same sums: equal)."""
+    from glm5next.kernels import linear as plans
+
+    w = weights["kda"]
+    default = {m: skinny_linear_multi(make_x(m, HIDDEN, seed=300 + m), w) for m in SIZES}
+    monkeypatch.setattr(plans, "BF16_ONE_WAVE_STAGES", True)
+    for m in SIZES:
+        plan = plans.plan_launch(m, [t.shape[0] for t, _ in w], HIDDEN, 2, "cuda", plans._sm_count(w[0][0].device))
+        assert plan.num_stages == (3 if m <= 32 else 2), (m, plan)
+        x = make_x(m, HIDDEN, seed=300 + m)
+        outs = [torch.full((m, t.shape[0]), float("nan"), dtype=torch.bfloat16, device="cuda") for t, _ in w]
+        got = skinny_linear_multi(x, w, outs)
+        for y, ref, d in zip(got, linear_multi_reference(x, w), default[m]):
+            assert rel_err(y, ref) <= 2e-2, m
+            assert torch.equal(y, d), m
+
+
 @pytest.mark.parametrize("candidate", list(CANDIDATES))
 @pytest.mark.parametrize("name", ["dsa_multi", "o_proj", "shared_gate_up"])
 def test_every_candidate_matches_reference(weights, name, candidate):

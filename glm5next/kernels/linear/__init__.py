@@ -54,6 +54,7 @@ CANDIDATES: dict[str, dict] = {
     "pdl-hold": dict(pdl=True, hold=4),
     "pdl-hold-2": dict(pdl=True, hold=2),
     "warps-8": dict(num_warps=8),
+    "halves": dict(halves=True),
 }
 """Launch variants worth timing per call site (keyword overrides of every entry point). `split_factor`
 scales the heuristic's split (rounded, at least 1); "gemv" (no tensor cores) applies to calls of at most 8 rows only;
@@ -63,7 +64,8 @@ fp16 / bf16 whatever the row count (see `LaunchPlan.half`); "swap" multiplies W 
 launches as a programmatic dependent that prefetches its weights into L2 (see `LaunchPlan.pdl`), "pdl-late" the
 same letting the next kernel start only once its products are done (`LaunchPlan.pdl_late`); "pdl-hold" /
 "pdl-hold-2" as "pdl" with the weight tiles of a program's first 4 / 2 K steps loaded into registers before
-its wait (`LaunchPlan.hold`); "warps-8" runs 8 warps per program."""
+its wait (`LaunchPlan.hold`); "warps-8" runs 8 warps per program; "halves" multiplies 33-64 rows of FP8
+weights as two 32-row halves (`LaunchPlan.halves`)."""
 PDL = False
 """Whether plans launch as programmatic dependents when the caller does not say (`pdl` None)."""
 ONE_WAVE = True
@@ -79,6 +81,12 @@ but at most 3 per SM (the KDA group: 389 tiles of 64, unsplit): 3 stages up to 3
 keeps one buffer more), so they run in one wave. The H200 sweep of 2026-12-05 timed the KDA group with 5 / 3
 stages at 1, 16 and 32 rows at 55.3 / 51.1, 56.8 / 51.8 and 61.3 / 52.7 us, and at 64 rows with 3 / 2 at
 59.5 / 55.6. Off until the GPU tests and a step have run with it (the sweep checks no outputs)."""
+HALVES = False
+"""FP8 weights against 16-bit activations at 33-64 rows (BLOCK_M 64): multiply the rows as two 32-row halves
+that share each widened weight tile (`LaunchPlan.halves`), where one 64-row product compiles for sm_90 to
+wgmma with the widened tile stored back to shared memory, a barrier, and a wait for each step's products
+before the next step's widening (the dense gate|up's K loop: 16 HGMMA behind 64 F2F, 32 F2FP, 32 PRMT and 8
+STS a step). Off until the H200 has timed it (the sweep's "halves" variants)."""
 _SMS: dict[int | None, int] = {}
 _FLOAT = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -96,7 +104,8 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
                 mode: str | None = None, split_factor: float = 1, x_bytes: int = 2,
                 widest_bytes: int | None = None, block_k: int | None = None,
                 half: bool | None = None, pdl: bool | str | None = None, num_warps: int | None = None,
-                num_stages: int | None = None, hold: int | None = None, x16: bool = False) -> LaunchPlan:
+                num_stages: int | None = None, hold: int | None = None, x16: bool = False,
+                halves: bool | None = None) -> LaunchPlan:
     """Launch parameters for M rows against weights with output widths `ns` and depth K
     (`weight_bytes`: the smallest weight element size; `widest_bytes`: the largest, default the same).
 
@@ -122,7 +131,9 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
     program loads into registers first (`LaunchPlan.hold`; 16-bit tensor-core products at BLOCK_M 16,
     operands not swapped, BLOCK_K <= 128: sm_90 compiles of the DSA group holding 4 steps took 126
     registers a thread at BLOCK_M 16, 180 at 32 and 255 at 64, and held fp32 products spilled; the CPU
-    interpreter, whose products are all fp32, holds in every mode but those).
+    interpreter, whose products are all fp32, holds in every mode but those). `halves` (None: `HALVES`) multiplies
+    33-64 rows of FP8 weights as two 32-row halves (`LaunchPlan.halves`; tensor-core products, operands not
+    swapped, nothing held; the GPU takes it for 16-bit activations only).
     """
     gpu = device_type != "cpu"
     if pdl not in (None, False, True, "late"):
@@ -217,11 +228,16 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
             and (widest_bytes or weight_bytes) == 2 and 2 * sms < programs <= 3 * sms):
         stages = 3 if bm <= 32 else 2
     warps = num_warps or (8 if (bm >= 64 and gated) else 4)
+    halves = (HALVES if halves is None else bool(halves)) and bm == 64 and use_dot and mode != "swap" \
+        and all_fp8 and x_bytes <= 2
+    if halves and num_stages is None:  # two 32-row products: mma.sync, which keeps num_stages - 1 buffers
+        stages = max(2, min(5, buffers + 1))
     return LaunchPlan(bm, bn, bk, split, use_dot, num_warps=warps, num_stages=stages,
                       f32_sub_k=(32 if bm <= 16 else 16) if gpu else bk, swap=mode == "swap",
                       tma=tma, half=half, pdl=PDL if pdl is None else bool(pdl), pdl_late=pdl == "late",
                       hold=hold if hold and use_dot and mode != "swap" and bk <= 128 and bm == 16
-                      and (not gpu or (x_bytes == 2 and (widest_bytes or weight_bytes) <= 2)) else 0)
+                      and (not gpu or (x_bytes == 2 and (widest_bytes or weight_bytes) <= 2)) else 0,
+                      halves=halves)
 
 
 def reads_x16(M: int, weights: list[torch.Tensor], x_dtype: torch.dtype, gated: bool = False) -> bool:
@@ -293,7 +309,7 @@ def _check_out16(out: torch.Tensor, out16: torch.Tensor | None) -> None:
 
 
 def _run(x, projections, outs, split_k, block_n, mode, split_factor=1, up=None, limit=0.0, block_k=None,
-         half=None, pdl=None, num_warps=None, num_stages=None, x16=None, out16=None, hold=None):
+         half=None, pdl=None, num_warps=None, num_stages=None, x16=None, out16=None, hold=None, halves=None):
     _check_x(x)
     _check_x16(x, x16)
     projections = list(projections)
@@ -310,7 +326,7 @@ def _run(x, projections, outs, split_k, block_n, mode, split_factor=1, up=None, 
     sizes = [w.element_size() for w, _ in projections]
     plan = plan_launch(x.shape[0], ns, x.shape[1], min(sizes), x.device.type, _sm_count(x.device), up is not None,
                        split_k, block_n, mode, split_factor, x.element_size(), max(sizes), block_k, half, pdl,
-                       num_warps, num_stages, hold, x16 is not None)
+                       num_warps, num_stages, hold, x16 is not None, halves)
     launch(x, [w for w, _ in projections], [s for _, s in projections], outs, plan, up, limit, x16, out16)
     return outs
 
@@ -321,14 +337,14 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor
                   block_k: int | None = None, half: bool | None = None, pdl: bool | str | None = None,
                   num_warps: int | None = None, num_stages: int | None = None,
                   x16: torch.Tensor | None = None, out16: torch.Tensor | None = None,
-                  hold: int | None = None) -> torch.Tensor:
+                  hold: int | None = None, halves: bool | None = None) -> torch.Tensor:
     """`x @ dequant(weight).T` in fp32 accumulation, in x's dtype (or written into `out`). `x16`: x already
     converted to fp16 (x's strides), which fp16 products against FP8 weights then read instead of
     converting x in every program; the result is the same. `out16`: an fp16 tensor with the output's
     shape and strides that receives the output converted to fp16 as well (for a next projection's `x16`)."""
     return _run(x, [(weight, scale_inv)], None if out is None else [out], split_k, block_n, mode, split_factor,
                 block_k=block_k, half=half, pdl=pdl, num_warps=num_warps, num_stages=num_stages, x16=x16,
-                out16=out16, hold=hold)[0]
+                out16=out16, hold=hold, halves=halves)[0]
 
 
 def skinny_linear_multi(x: torch.Tensor, projections, outs=None, *, split_k: int | None = None,
@@ -336,11 +352,12 @@ def skinny_linear_multi(x: torch.Tensor, projections, outs=None, *, split_k: int
                         split_factor: float = 1, block_k: int | None = None,
                         half: bool | None = None, pdl: bool | str | None = None,
                         num_warps: int | None = None, num_stages: int | None = None,
-                        x16: torch.Tensor | None = None, hold: int | None = None) -> list[torch.Tensor]:
+                        x16: torch.Tensor | None = None, hold: int | None = None,
+                        halves: bool | None = None) -> list[torch.Tensor]:
     """`[x @ dequant(w).T for w, scale_inv in projections]` (at most 6, equal K) in one launch (`x16` as
     for `skinny_linear`)."""
     return _run(x, projections, outs, split_k, block_n, mode, split_factor, block_k=block_k, half=half, pdl=pdl,
-                num_warps=num_warps, num_stages=num_stages, x16=x16, hold=hold)
+                num_warps=num_warps, num_stages=num_stages, x16=x16, hold=hold, halves=halves)
 
 
 def gate_up_swiglu(x: torch.Tensor, gate_w: torch.Tensor, gate_s: torch.Tensor | None, up_w: torch.Tensor,
@@ -349,11 +366,12 @@ def gate_up_swiglu(x: torch.Tensor, gate_w: torch.Tensor, gate_s: torch.Tensor |
                    split_factor: float = 1, block_k: int | None = None, half: bool | None = None,
                    pdl: bool | str | None = None, num_warps: int | None = None,
                    num_stages: int | None = None, x16: torch.Tensor | None = None,
-                   out16: torch.Tensor | None = None, hold: int | None = None) -> torch.Tensor:
+                   out16: torch.Tensor | None = None, hold: int | None = None,
+                   halves: bool | None = None) -> torch.Tensor:
     """`silu(min(g, limit)) * clamp(u, -limit, limit)`, g = x @ gate.T, u = x @ up.T, in x's dtype (`x16`
     and `out16` as for `skinny_linear`)."""
     if up_w.shape != gate_w.shape or up_w.dtype != gate_w.dtype:
         raise ValueError("gate and up weights must share shape and dtype")
     return _run(x, [(gate_w, gate_s)], None if out is None else [out], split_k, block_n, mode, split_factor,
                 up=(up_w, up_s), limit=limit, block_k=block_k, half=half, pdl=pdl, num_warps=num_warps,
-                num_stages=num_stages, x16=x16, out16=out16, hold=hold)[0]
+                num_stages=num_stages, x16=x16, out16=out16, hold=hold, halves=halves)[0]

@@ -76,6 +76,10 @@ class LaunchPlan:
     """With `pdl`, release the next kernel only once a program's products are done (before its split-K
     epilogue) instead of at its start, so the next launch's programs do not take SM slots and L2 while
     this one still streams its weights."""
+    halves: bool = False
+    """At BLOCK_M 64 (33-64 rows), multiply the rows as two 32-row halves against the same widened weight tile
+    (two tensor-core products of 32 rows, which Hopper runs as mma.sync from registers) instead of one 64-row
+    product (wgmma, whose weight operand must first go back to shared memory once widened)."""
     hold: int = 0
     """K steps (at most `MAX_HOLD`; fewer where a program has fewer, or where their weight tiles would pass
     `HOLD_BYTES`) whose weight tiles and block scales a program loads into registers first, by plain loads,
@@ -212,21 +216,95 @@ def _chunk(x_ptrs, w_ptr, w2_ptr, w_offs, kk, row_ok, col_ok, K, n0, k0, s_ptr, 
 
 
 @triton.jit
+def _chunk_halves(x_ptrs, hi_off, w_ptr, w2_ptr, w_offs, kk, row_ok, row_ok_hi, col_ok, K, n0, k0, s_ptr, s2_ptr,
+                  s_row, F32: tl.constexpr, TWO: tl.constexpr, IS_FP8: tl.constexpr, HALF: tl.constexpr,
+                  TMA: tl.constexpr):
+    """`_chunk` for rows in two halves (x_ptrs the first half's rows, hi_off the offset to the second's):
+    the weight tile(s) loaded and widened once, each multiplied by both halves' activations (in fp32 with
+    F32, the interpreter's form). Returns (part_lo, part2_lo, part_hi, part2_hi), each [BLOCK_M / 2, BLOCK_N]."""
+    k_ok = (k0 + kk) < K
+    x_lo = tl.load(x_ptrs + k0, mask=row_ok & k_ok[None, :], other=0.0)
+    x_hi = tl.load(x_ptrs + hi_off + k0, mask=row_ok_hi & k_ok[None, :], other=0.0)
+    if F32:
+        x_lo = x_lo.to(tl.float32)
+        x_hi = x_hi.to(tl.float32)
+    elif HALF and IS_FP8:
+        x_lo = x_lo.to(tl.float16)
+        x_hi = x_hi.to(tl.float16)
+    w_ok = k_ok[:, None] & col_ok
+    s_ok = k0 < K
+    wt = _weight_tile(w_ptr, w_offs, w_ok, n0, k0, False, TMA).to(x_lo.dtype)  # exact for FP8 values
+    lo = _dot2(x_lo, wt, F32)
+    hi = _dot2(x_hi, wt, F32)
+    if IS_FP8:
+        sc = tl.load(s_ptr + s_row + k0 // 128, mask=s_ok, other=0.0)
+        lo = lo * sc
+        hi = hi * sc
+    lo2 = lo
+    hi2 = hi
+    if TWO:
+        wt2 = _weight_tile(w2_ptr, w_offs, w_ok, n0, k0, False, TMA).to(x_lo.dtype)
+        lo2 = _dot2(x_lo, wt2, F32)
+        hi2 = _dot2(x_hi, wt2, F32)
+        if IS_FP8:
+            sc2 = tl.load(s2_ptr + s_row + k0 // 128, mask=s_ok, other=0.0)
+            lo2 = lo2 * sc2
+            hi2 = hi2 * sc2
+    return lo, lo2, hi, hi2
+
+
+@triton.jit
+def _dot2(a, b, F32: tl.constexpr):
+    if F32:
+        return tl.dot(a, b, input_precision="tf32x3")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _stack_halves(lo, hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_M / 2, BLOCK_N] halves as one [BLOCK_M, BLOCK_N] tile, lo's rows first."""
+    return tl.reshape(tl.permute(tl.join(lo, hi), (2, 0, 1)), (BLOCK_M, BLOCK_N))
+
+
+@triton.jit
 def _accumulate(x_ptr, stride_xm, M, K, w_ptr, s_ptr, w2_ptr, s2_ptr, s_stride, n0, N, it0, n_it,
                 IS_FP8: tl.constexpr, F32: tl.constexpr, TWO: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, F32_SUB: tl.constexpr,
-                HALF: tl.constexpr, SWAP: tl.constexpr, TMA: tl.constexpr):
+                HALF: tl.constexpr, SWAP: tl.constexpr, TMA: tl.constexpr, HALVES: tl.constexpr = False):
     """x[:, K range] @ W[n0:n0+BLOCK_N, K range].T (and the same with W2 when TWO), in fp32 (accumulated
-    transposed with SWAP, returned [BLOCK_M, BLOCK_N] either way)."""
+    transposed with SWAP, returned [BLOCK_M, BLOCK_N] either way; with HALVES in two row halves)."""
     # fp32 products (tf32x3) hold 3 operand copies in registers: feed them F32_SUB K at a time;
     # an FP8 chunk stays within one 128-wide scale block. fp16 products (HALF, FP8 weights) take
     # precedence over F32, which the interpreter sets for every projection of 16-bit activations.
     PROD32: tl.constexpr = F32 and not (HALF and IS_FP8)
     WIDE: tl.constexpr = F32_SUB if PROD32 else BLOCK_K
     SUB: tl.constexpr = min(WIDE, 128) if IS_FP8 else WIDE
-    rows = tl.arange(0, BLOCK_M)
     cols = n0 + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, SUB)
+    s_row = (n0 // 128) * s_stride
+    if HALVES:  # 16-bit products, operands not swapped (the plan makes sure)
+        HM: tl.constexpr = BLOCK_M // 2
+        hrows = tl.arange(0, HM)
+        hx_ptrs = x_ptr + hrows[:, None] * stride_xm + kk[None, :]
+        w_offs_h = cols[None, :] * K + kk[:, None]
+        col_ok_h = cols[None, :] < N
+        a_lo = tl.zeros([HM, BLOCK_N], dtype=tl.float32)
+        a2_lo = tl.zeros([HM, BLOCK_N], dtype=tl.float32)
+        a_hi = tl.zeros([HM, BLOCK_N], dtype=tl.float32)
+        a2_hi = tl.zeros([HM, BLOCK_N], dtype=tl.float32)
+        for i in range(n_it):
+            k0 = (it0 + i) * BLOCK_K
+            for c in tl.static_range(0, BLOCK_K, SUB):
+                lo, lo2, hi, hi2 = _chunk_halves(hx_ptrs, HM * stride_xm, w_ptr, w2_ptr, w_offs_h, kk,
+                                                 hrows[:, None] < M, (HM + hrows[:, None]) < M, col_ok_h, K, n0,
+                                                 k0 + c, s_ptr, s2_ptr, s_row, PROD32, TWO, IS_FP8, HALF, TMA)
+                a_lo += lo
+                a_hi += hi
+                if TWO:
+                    a2_lo += lo2
+                    a2_hi += hi2
+        return _stack_halves(a_lo, a_hi, BLOCK_M, BLOCK_N), _stack_halves(a2_lo, a2_hi, BLOCK_M, BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)
     x_ptrs = x_ptr + rows[:, None] * stride_xm + kk[None, :]
     row_ok = rows[:, None] < M
     if SWAP:
@@ -239,7 +317,6 @@ def _accumulate(x_ptr, stride_xm, M, K, w_ptr, s_ptr, w2_ptr, s2_ptr, s_stride, 
         col_ok = cols[None, :] < N
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    s_row = (n0 // 128) * s_stride
     for i in range(n_it):
         k0 = (it0 + i) * BLOCK_K
         for c in tl.static_range(0, BLOCK_K, SUB):
@@ -281,7 +358,7 @@ def _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, local, pid_k, 
              SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
              USE_DOT: tl.constexpr, F32_SUB: tl.constexpr, HALF: tl.constexpr, SWAP: tl.constexpr, TMA: tl.constexpr,
              PDL: tl.constexpr, PDL_LATE: tl.constexpr, STAMP: tl.constexpr, O16: tl.constexpr,
-             HOLD: tl.constexpr, ITERS_MAX: tl.constexpr):
+             HOLD: tl.constexpr, ITERS_MAX: tl.constexpr, HALVES: tl.constexpr):
     """One program's share of one projection: tile `local` of it, K split `pid_k`. With PDL it first lets
     the next kernel start (with PDL_LATE only after its products) and prefetches its weight tiles' first
     pf_iters K steps into L2 (from the plain pointers r_ptr / r2_ptr). It loads the weight tiles and scales
@@ -314,7 +391,7 @@ def _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, local, pid_k, 
     if HOLD < ITERS_MAX:
         acc, acc2 = _accumulate(x_ptr, stride_xm, M, K, w_ptr, s_ptr, w2_ptr, s2_ptr, s_stride, n0, N, it0 + HOLD,
                                 n_it - HOLD, IS_FP8, F32, TWO, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, HALF, SWAP,
-                                TMA)
+                                TMA, HALVES)
     else:  # every step held: no streamed steps, no pipeline
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc2 = acc
@@ -336,7 +413,7 @@ def _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, local, pid_k, 
         if tl.min(ok.to(tl.int32)) == 0:
             acc, acc2 = _accumulate(xb_ptr, stride_xm, M, K, w_ptr, s_ptr, w2_ptr, s2_ptr, s_stride, n0, N, it0,
                                     n_it, IS_FP8, F32, TWO, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, False,
-                                    SWAP, TMA)
+                                    SWAP, TMA, HALVES)
     if PDL and PDL_LATE:
         launch_dependents()
     if not SPLIT:
@@ -383,7 +460,8 @@ def skinny_kernel(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, ws_ptr, cnt_ptr
                   SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   USE_DOT: tl.constexpr, F32_SUB: tl.constexpr, HALF: tl.constexpr, SWAP: tl.constexpr,
                   TMA: tl.constexpr, PDL: tl.constexpr, PDL_LATE: tl.constexpr, STAMP: tl.constexpr = False,
-                  O16: tl.constexpr = False, HOLD: tl.constexpr = 0, ITERS_MAX: tl.constexpr = 1 << 30):
+                  O16: tl.constexpr = False, HOLD: tl.constexpr = 0, ITERS_MAX: tl.constexpr = 1 << 30,
+                  HALVES: tl.constexpr = False):
     """Grid (num_tiles, split). Projection p owns tiles [T_p, T_{p+1}) (T_0 = 0, T_NUM = num_tiles);
     bit p of FP8_MASK / F32_MASK says whether its weight is FP8 / whether it multiplies in fp32.
     With TWO (one projection only) projection 0 is the gate and up_w/up_s the up weight. With TMA every
@@ -401,42 +479,42 @@ def skinny_kernel(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, ws_ptr, cnt_ptr
         _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile, pid_k, ws_ptr, cnt_ptr, num_tiles,
                  limit, s_stride, w0, s0, up_w, up_s, o0, so0, N0, r0, up_r, pf_iters, stamp_ptr, xb_ptr, o16_ptr,
                  FP8_MASK & 1, F32_MASK & 1, TWO, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, HALF, SWAP, TMA,
-                 PDL, PDL_LATE, STAMP, O16, HOLD, ITERS_MAX)
+                 PDL, PDL_LATE, STAMP, O16, HOLD, ITERS_MAX, HALVES)
     if NUM > 1:
         if (tile >= T1) & (tile < T2):
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T1, pid_k, ws_ptr, cnt_ptr,
                      num_tiles, limit, s_stride, w1, s1, w1, s1, o1, so1, N1, r1, r1, pf_iters, stamp_ptr,
                      xb_ptr, xb_ptr,
                      (FP8_MASK >> 1) & 1, (F32_MASK >> 1) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
-                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, False, HOLD, ITERS_MAX)
+                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, False, HOLD, ITERS_MAX, HALVES)
     if NUM > 2:
         if (tile >= T2) & (tile < T3):
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T2, pid_k, ws_ptr, cnt_ptr,
                      num_tiles, limit, s_stride, w2, s2, w2, s2, o2, so2, N2, r2, r2, pf_iters, stamp_ptr,
                      xb_ptr, xb_ptr,
                      (FP8_MASK >> 2) & 1, (F32_MASK >> 2) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
-                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, False, HOLD, ITERS_MAX)
+                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, False, HOLD, ITERS_MAX, HALVES)
     if NUM > 3:
         if (tile >= T3) & (tile < T4):
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T3, pid_k, ws_ptr, cnt_ptr,
                      num_tiles, limit, s_stride, w3, s3, w3, s3, o3, so3, N3, r3, r3, pf_iters, stamp_ptr,
                      xb_ptr, xb_ptr,
                      (FP8_MASK >> 3) & 1, (F32_MASK >> 3) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
-                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, False, HOLD, ITERS_MAX)
+                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, False, HOLD, ITERS_MAX, HALVES)
     if NUM > 4:
         if (tile >= T4) & (tile < T5):
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T4, pid_k, ws_ptr, cnt_ptr,
                      num_tiles, limit, s_stride, w4, s4, w4, s4, o4, so4, N4, r4, r4, pf_iters, stamp_ptr,
                      xb_ptr, xb_ptr,
                      (FP8_MASK >> 4) & 1, (F32_MASK >> 4) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
-                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, False, HOLD, ITERS_MAX)
+                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, False, HOLD, ITERS_MAX, HALVES)
     if NUM > 5:
         if tile >= T5:
             _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T5, pid_k, ws_ptr, cnt_ptr,
                      num_tiles, limit, s_stride, w5, s5, w5, s5, o5, so5, N5, r5, r5, pf_iters, stamp_ptr,
                      xb_ptr, xb_ptr,
                      (FP8_MASK >> 5) & 1, (F32_MASK >> 5) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
-                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, False, HOLD, ITERS_MAX)
+                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, False, HOLD, ITERS_MAX, HALVES)
     stamp(stamp_ptr, 7, STAMP)  # END
 
 
@@ -513,6 +591,8 @@ def launch(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tens
         return TensorDescriptor.from_tensor(w, [bn, bk]) if tma else w
 
     every_fp8 = all(s is not None for s in scales) and (up is None or up[1] is not None)
+    # On the GPU, row halves take 16-bit products only (fp32 activations keep the one product).
+    gpu_f32 = not on_cpu and x.dtype == torch.float32
     xa = x16 if x16 is not None and plan.half and every_fp8 else x  # the activations the products take
 
     fp8_mask = f32_mask = 0
@@ -545,6 +625,7 @@ def launch(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tens
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_DOT=plan.use_dot, F32_SUB=min(plan.f32_sub_k, bk), HALF=plan.half,
         SWAP=plan.swap, TMA=tma, PDL=pdl, PDL_LATE=pdl and plan.pdl_late, STAMP=stamped,
         O16=out16 is not None, HOLD=hold, ITERS_MAX=iters if hold and hold >= iters else 1 << 30,
+        HALVES=plan.halves and bm == 64 and plan.use_dot and not plan.swap and not hold and not gpu_f32,
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
         **({"launch_pdl": True} if pdl else {}))
