@@ -232,25 +232,26 @@ def _chunk_halves(x_ptrs, hi_off, w_ptr, w2_ptr, w_offs, kk, row_ok, row_ok_hi, 
         x_lo = x_lo.to(tl.float16)
         x_hi = x_hi.to(tl.float16)
     w_ok = k_ok[:, None] & col_ok
-    s_ok = k0 < K
+    lo, hi = _both_halves(x_lo, x_hi, w_ptr, w_offs, w_ok, n0, k0, K, s_ptr, s_row, F32, IS_FP8, TMA)
+    lo2 = lo
+    hi2 = hi
+    if TWO:
+        lo2, hi2 = _both_halves(x_lo, x_hi, w2_ptr, w_offs, w_ok, n0, k0, K, s2_ptr, s_row, F32, IS_FP8, TMA)
+    return lo, lo2, hi, hi2
+
+
+@triton.jit
+def _both_halves(x_lo, x_hi, w_ptr, w_offs, w_ok, n0, k0, K, s_ptr, s_row, F32: tl.constexpr, IS_FP8: tl.constexpr,
+                 TMA: tl.constexpr):
+    """One weight tile, loaded and widened once, times each half's activations (and its block scale)."""
     wt = _weight_tile(w_ptr, w_offs, w_ok, n0, k0, False, TMA).to(x_lo.dtype)  # exact for FP8 values
     lo = _dot2(x_lo, wt, F32)
     hi = _dot2(x_hi, wt, F32)
     if IS_FP8:
-        sc = tl.load(s_ptr + s_row + k0 // 128, mask=s_ok, other=0.0)
+        sc = tl.load(s_ptr + s_row + k0 // 128, mask=k0 < K, other=0.0)
         lo = lo * sc
         hi = hi * sc
-    lo2 = lo
-    hi2 = hi
-    if TWO:
-        wt2 = _weight_tile(w2_ptr, w_offs, w_ok, n0, k0, False, TMA).to(x_lo.dtype)
-        lo2 = _dot2(x_lo, wt2, F32)
-        hi2 = _dot2(x_hi, wt2, F32)
-        if IS_FP8:
-            sc2 = tl.load(s2_ptr + s_row + k0 // 128, mask=s_ok, other=0.0)
-            lo2 = lo2 * sc2
-            hi2 = hi2 * sc2
-    return lo, lo2, hi, hi2
+    return lo, hi
 
 
 @triton.jit
