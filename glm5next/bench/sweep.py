@@ -52,11 +52,13 @@ VARIANTS = {
     "tma-split-half": dict(mode="tma", split_factor=0.5),
     "tma-bf16": dict(mode="tma", half=False),
     "x16": dict(x16=True),
+    "x16-bn128": dict(x16=True, block_n=128),
     "fp16-x16": dict(half=True, x16=True),
     "fp16-x16-dot": dict(half=True, mode="dot", x16=True),
     "fp16-x16-dot-warps-4": dict(half=True, mode="dot", x16=True, num_warps=4),
     "halves": dict(halves=True),
     "halves-fp16-x16-dot": dict(halves=True, half=True, mode="dot", x16=True),
+    "halves-fp16-x16-dot-split-half": dict(halves=True, half=True, mode="dot", x16=True, split_factor=0.5),
     "fp16-convert": dict(half=True, x16="convert"),
     "pdl": dict(pdl=True),
     "pdl-split-half": dict(pdl=True, split_factor=0.5),
@@ -83,9 +85,10 @@ weights at up to 16 rows, their tiles through tensor descriptors), "dot" the sam
 weights only: skipped for BF16 cases), "swap*" multiply W @ x.T (the weight tile as the left, register
 operand), "tma*" load FP8 weight tiles through tensor descriptors,
 "x16" gives the products an fp16 copy of x made beforehand (FP8 cases only; what a producer
-writing it beside x would save each program), "fp16-x16" fp16 products from such a copy at every row count
+writing it beside x would save each program; "x16-bn128" with 128-column tiles), "fp16-x16" fp16 products from such a copy at every row count
 ("fp16-x16-dot" with pointer loads, so a gated call keeps its whole split; "-warps-4" with 4 warps a program),
-"halves*" 33-64 rows as two 32-row products sharing each widened weight tile (`LaunchPlan.halves`), "fp16-convert" the same with the copy made
+"halves*" 33-64 rows as two 32-row products sharing each widened weight tile (`LaunchPlan.halves`; "-split-half"
+with half the split, since a gated one fits one program an SM), "fp16-convert" the same with the copy made
 inside the timed graph before each call (what a consumer whose producer writes none would pay), "pdl*" launch as programmatic
 dependents (the weight prefetch capped by `SETTINGS`; "pdl-late" releases the next launch only after
 the products; "pdl-hold*" hold the first 4 / 2 K steps' weight tiles in registers before the wait, with
