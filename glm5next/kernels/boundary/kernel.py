@@ -458,9 +458,13 @@ def _token_finisher(
         _stamp(stamp_ptr, 1, STAMP)
         _wait_previous()
         _stamp(stamp_ptr, 2, STAMP)
+    # The wait is bounded (about 2^24 polls, seconds), so a fault in the ticket count shows as wrong outputs
+    # rather than a launch that never ends.
     arrived = tl.atomic_add(ticket_ptr + tb, 0, sem="acquire")
-    while arrived < NC:
+    polls = 0
+    while (arrived < NC) & (polls < (1 << 24)):
         arrived = tl.atomic_add(ticket_ptr + tb, 0, sem="acquire")
+        polls += 1
     if PDL and RELEASE_LATE:
         _launch_dependents()  # as the chunk programs have: the next kernel may start beside the finish
     _stamp(stamp_ptr, 4, STAMP)
