@@ -450,7 +450,9 @@ def _token_finisher(
     counter) until the block's NC chunk programs have stored their partials, then finishes token
     tb * BT + u alone (`_finish_token`), so a block's BT tokens finish side by side on BT SMs. The last
     of the block's BT finishers to end resets its ticket and its own counter (at DONE_AT past it) for the
-    next launch."""
+    next launch. Waiting cannot starve the chunk programs of SMs in any dispatch order: a launch has one
+    finisher per token (at most 64), far fewer than the GPU's program slots, and the next kernel's programs
+    (a programmatic dependent) start only once every program of this launch has."""
     t0 = tb * BT + (c - NC)
     if PDL:
         if not RELEASE_LATE:
