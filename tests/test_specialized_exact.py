@@ -78,45 +78,86 @@ def test_dense_and_shared_expert_stages_equal_stock(tiny_fp32):
     close(route(x), shared(x))
 
 
-def test_dsa_norms_and_value_cast_route_where_the_projections_are_routed(tiny_dir, tiny_fp32):
-    """With the DSA projections routed, a DSA layer's latent norms run as one kernel each; in bf16 the
-    q_a norm's writes and files the fp16 copy the q_b and the wq_b read, and the cast before the o_proj
-    runs as a kernel that writes the o_proj's copy. Both equal the stock code's results (in fp32 within
-    1e-5; in bf16 the cast bit for bit up to the interpreter's truncating casts)."""
+def test_dsa_norms_and_value_cast_route_where_the_projections_are_routed(tiny_dir, tiny_fp32, monkeypatch):
+    """With the DSA projections routed, a DSA layer's latent norms run as kernels: one for both where its
+    group runs as one launch (the q_a norm's call normalises the group's kv_a output too, which the kv_a
+    norm's call then returns), one each with "single"; in bf16 the q_a norm's writes and files the fp16
+    copy the q_b and the wq_b read, and the cast before the o_proj runs as a kernel that writes the o_proj's
+    copy. All equal the stock code's results (in fp32 within 1e-5; in bf16 the cast bit for bit up to the
+    interpreter's truncating casts)."""
+    import glm5next.kernels.producers as producers
     from glm5next.model.backbone import Glm5NextModel
     from glm5next.model.routing import cast_input
-    from glm5next.specialized_decode.linear import CastRoute, NormRoute
+    from glm5next.specialized_decode.linear import CastRoute, NormPair, NormRoute
 
+    launches = []
+    for name in ("rms_norm", "rms_norm_pair"):
+        real = getattr(producers, name)
+        monkeypatch.setattr(producers, name, lambda *a, _n=name, _f=real, **k: launches.append(_n) or _f(*a, **k))
     bf16 = Glm5NextModel.from_pretrained(tiny_dir, torch.bfloat16, "cpu", progress=False)
     g = torch.Generator().manual_seed(3)
     for model in (tiny_fp32, bf16):
         layer = next(layer for layer in model.layers if layer.layer_kind == "dsa")
         attn = layer.self_attn
-        ex = SpecializedDecode(model, policy(), SIZES)
-        table = ex.routes(4)
-        q_norm, kv_norm = table[id(attn.q_a_layernorm)], table[id(attn.kv_a_layernorm)]
-        assert isinstance(q_norm, NormRoute) and isinstance(kv_norm, NormRoute) and kv_norm.copies is None
-        assert (q_norm.copies is ex.copies) == (model is bf16)
+        dtype = torch.bfloat16 if model is bf16 else torch.float32
+        tol = 1e-5 if model is tiny_fp32 else 2e-2
+        h = torch.randn(4, model.config.hidden_size, generator=g).to(dtype)
+        want_q = attn.q_a_layernorm(attn.q_a_proj(h))
+        want_kv = attn.kv_a_layernorm(attn.kv_a_proj_with_mqa(h))
+        for choice in ("grouped", "single"):
+            ex = SpecializedDecode(model, policy(dsa_proj=choice), SIZES)
+            table = ex.routes(4)
+            q_norm, kv_norm = table[id(attn.q_a_layernorm)], table[id(attn.kv_a_layernorm)]
+            if choice == "grouped":
+                pair = q_norm.__self__
+                assert isinstance(pair, NormPair) and kv_norm.__self__ is pair
+                assert (pair.copies is ex.copies) == (model is bf16)
+            else:
+                assert isinstance(q_norm, NormRoute) and isinstance(kv_norm, NormRoute) and kv_norm.copies is None
+                assert (q_norm.copies is ex.copies) == (model is bf16)
+            launches.clear()
+            with routed(table):
+                got_q = attn.q_a_layernorm(attn.q_a_proj(h))
+                copy = ex.copies.get(got_q)
+                got_kv = attn.kv_a_layernorm(attn.kv_a_proj_with_mqa(h))
+            assert launches == (["rms_norm_pair"] if choice == "grouped" else ["rms_norm", "rms_norm"])
+            close(got_q, want_q, tol)
+            close(got_kv, want_kv, tol)
+            if model is bf16:
+                assert torch.equal(copy, got_q.to(torch.float16))
+            else:
+                assert copy is None
+            ex.copies.clear()
         assert (("input", id(attn.o_proj)) in table) == (model is bf16)
         assert not any(k in SpecializedDecode(model, policy(dsa_proj=None), SIZES).routes(4)
                        for k in (id(attn.q_a_layernorm), ("input", id(attn.o_proj))))
-        dtype = torch.bfloat16 if model is bf16 else torch.float32
+        # A norm called on anything but its group's output runs alone.
+        ex = SpecializedDecode(model, policy(), SIZES)
+        table = ex.routes(4)
         x = torch.randn(4, attn.q_a_layernorm.dim, generator=g).to(dtype)
-        o = torch.randn(attn.num_heads, 4, attn.v_dim, generator=g).permute(1, 0, 2)  # as the einsum leaves it
-        want = attn.q_a_layernorm(x)
+        launches.clear()
         with routed(table):
-            got = attn.q_a_layernorm(x)
-            copy = ex.copies.get(got)
+            alone = attn.q_a_layernorm(x)
+        assert launches == ["rms_norm"]
+        close(alone, _stock_norm(attn.q_a_layernorm, x), tol)
+        o = torch.randn(attn.num_heads, 4, attn.v_dim, generator=g).permute(1, 0, 2)  # as the einsum leaves it
+        with routed(table):
             cast = cast_input(attn.o_proj, o, dtype).reshape(4, -1)  # as the attention passes it on
             cast_copy = ex.copies.get(cast)
-        close(got, want, 1e-5 if model is tiny_fp32 else 2e-2)
         flat = o.reshape(4, -1)
         assert ((cast.float() - flat.to(dtype).float()).abs() <= flat.abs() * 2.0**-7).all()
         if model is bf16:
-            assert torch.equal(copy, got.to(torch.float16)) and torch.equal(cast_copy, cast.to(torch.float16))
+            assert isinstance(table[("input", id(attn.o_proj))], CastRoute)
+            assert torch.equal(cast_copy, cast.to(torch.float16))
         else:
-            assert copy is None and cast_copy is None
+            assert cast_copy is None
         ex.copies.clear()
+
+
+def _stock_norm(norm, x):
+    from glm5next.model.norm import rms_norm
+
+    return rms_norm(x, norm.weight, norm.eps)
 
 
 def prefilled(model, lens, executor=None):
@@ -303,18 +344,23 @@ def test_projection_case_runs_every_choice_after_its_boundary(tiny_fp32, monkeyp
     case.before()
     assert len(boundary_outputs) - n == kda_layers and not any(late for _, late in releases[-kda_layers:])
     # The DSA case runs a layer's projections as its forward does: the latent norms (as kernels where the
-    # projections are routed) between the group and the q_b, the values' cast before the o_proj.
+    # projections are routed: one for both behind a grouped launch, one each with "single") between the group
+    # and the q_b, the values' cast before the o_proj.
+    import glm5next.kernels.producers as producers
     from glm5next.config import DSA
-    from glm5next.specialized_decode.linear import NormRoute
 
     dsa_case = stages._projection_case(tiny_fp32, 2, DSA, "dsa_proj")
-    norm_route = NormRoute.__call__
     norms = []
-    monkeypatch.setattr(NormRoute, "__call__", lambda self, x: norms.append(choice) or norm_route(self, x))
+    for name in ("rms_norm", "rms_norm_pair"):
+        real = getattr(producers, name)
+        monkeypatch.setattr(producers, name, lambda *a, _n=name, _f=real, **k: norms.append((choice, _n)) or _f(*a, **k))
     for choice, run in dsa_case.runs.items():
         run()
     dsa_layers = sum(layer.layer_kind == DSA for layer in tiny_fp32.layers)
-    assert sorted(set(norms)) == sorted(STAGES["dsa_proj"]) and len(norms) == 2 * dsa_layers * len(STAGES["dsa_proj"])
+    for c in STAGES["dsa_proj"]:
+        launched = [n for k, n in norms if k == c]
+        assert launched == (["rms_norm", "rms_norm"] * dsa_layers if c == "single" else ["rms_norm_pair"] * dsa_layers), c
+    assert not [n for k, n in norms if k == "stock"]
 
 
 def test_fp16_copies_leave_planned_bf16_steps_bit_for_bit(tiny_dir, monkeypatch):

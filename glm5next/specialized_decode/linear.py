@@ -13,7 +13,8 @@ activations of those steps are read; "single" runs every projection in its own l
 input has an fp16 copy filed (`Fp16Copies`) reads that. The boundary writes one where the group reads it;
 in a DSA layer whose projections are routed, the q_a norm runs as one kernel (`NormRoute`, as does the
 kv_a norm) that writes one where the q_b or the indexer's wq_b reads it, and the cast of the attention's
-values before the o_proj (`CastRoute`) writes one where the o_proj reads it.
+values before the o_proj (`CastRoute`) writes one where the o_proj reads it; where the group runs as one
+launch, the q_a and kv_a norms run as one kernel (`NormPair`).
 """
 
 from __future__ import annotations
@@ -95,6 +96,49 @@ class NormRoute:
         return out
 
 
+class NormPair:
+    """A DSA layer's q_a and kv_a norms in one launch (`rms_norm_pair`) where its projection group runs as one
+    launch: the q_a norm's call (the forward's first) finds the kv_a output of the group launch that produced
+    its input and normalises it too; the kv_a norm's call on that output then returns the result. Either norm
+    called on anything else runs alone (`NormRoute`)."""
+
+    def __init__(self, q_norm: RMSNorm, kv_norm: RMSNorm, group: "GroupRoute", q_index: int, kv_index: int,
+                 copies: Fp16Copies | None = None, copy: bool = False) -> None:
+        self.q_norm, self.kv_norm = q_norm, kv_norm
+        self.q_alone, self.kv_alone = NormRoute(q_norm, copies, copy), NormRoute(kv_norm)
+        self.group, self.q_index, self.kv_index = group, q_index, kv_index
+        self.copies = copies if copy else None
+        self._kv_in: torch.Tensor | None = None
+        self._kv_out: torch.Tensor | None = None
+
+    @staticmethod
+    def _rows(t: torch.Tensor) -> bool:
+        return t.dim() == 2 and (t.stride(1) == 1 or t.shape[1] <= 1)
+
+    def first(self, x: torch.Tensor) -> torch.Tensor:
+        from ..kernels.producers import rms_norm_pair
+
+        outs = self.group.outputs_of(x, self.q_index)
+        kv = None if outs is None else outs[self.kv_index]
+        if kv is None or not (self._rows(x) and self._rows(kv)) or kv.dtype != x.dtype:
+            return self.q_alone(x)
+        out16 = None
+        if self.copies is not None and x.dtype == torch.bfloat16:
+            out16 = torch.empty(x.shape, dtype=torch.float16, device=x.device)
+        out, self._kv_out = rms_norm_pair(x, self.q_norm.weight, self.q_norm.eps, kv, self.kv_norm.weight,
+                                          self.kv_norm.eps, out16)
+        self._kv_in = kv
+        if out16 is not None:
+            self.copies.put(out, out16)
+        return out
+
+    def second(self, x: torch.Tensor) -> torch.Tensor:
+        if x is self._kv_in:
+            out, self._kv_in, self._kv_out = self._kv_out, None, None
+            return out
+        return self.kv_alone(x)
+
+
 class CastRoute:
     """The cast of a module's input (`glm5next.model.routing.cast_input`) as one kernel that writes the
     result contiguous, flattened to [T, -1] (the module's input is that view of it), and its fp16 copy,
@@ -138,6 +182,10 @@ class GroupRoute:
             self._x = x
         return self._outs[i]
 
+    def outputs_of(self, y: torch.Tensor, i: int) -> list[torch.Tensor] | None:
+        """The outputs of this group's last launch, where `y` is its i-th (else None)."""
+        return self._outs if self._outs and self._outs[i] is y else None
+
     def reset(self) -> None:
         self._x, self._outs = None, []
 
@@ -156,6 +204,8 @@ class ProjectionRoutes:
         """layer index -> the stage of its routed projection group, and the group."""
         self.dsa_attns = []
         """The attention modules of the DSA layers whose projections the policy may route."""
+        self.dsa_groups: dict[int, GroupRoute] = {}
+        """id of a DSA attention -> its projection group, where its members can run as one launch."""
         for layer in layers:
             stage = STAGE_OF[layer.layer_kind]
             if not policy.enabled(stage):
@@ -168,6 +218,8 @@ class ProjectionRoutes:
             if all(routable(m, dtype) for m in group) and len({m.weight.dtype for m in group}) == 1:
                 self.groups[stage].append(GroupRoute(group, copies))
                 self.grouped_layers[layer.layer_idx] = (stage, self.groups[stage][-1])
+                if stage == "dsa_proj":
+                    self.dsa_groups[id(attn)] = self.groups[stage][-1]
             else:
                 self.singles[stage] += [m for m in group if routable(m, dtype)]
             self.singles[stage] += [m for m in (_get(attn, n) for n in single_names) if routable(m, dtype)]
@@ -187,23 +239,30 @@ class ProjectionRoutes:
             elif choice == "single":
                 for m in self.members[stage]:
                     table[id(m)] = SingleRoute(m, self.copies)
-        if self.policy("dsa_proj", tokens) in GROUPED + ("single",):
+        choice = self.policy("dsa_proj", tokens)
+        if choice in GROUPED + ("single",):
             for attn in self.dsa_attns:
-                table.update(self._dsa_producers(attn, tokens, table))
+                table.update(self._dsa_producers(attn, tokens, table, choice in GROUPED))
         return table
 
-    def _dsa_producers(self, attn, tokens: int, table: dict) -> dict:
-        """The routes of a DSA layer's latent norms (one kernel each; the q_a norm's writes an fp16 copy
-        where the routed q_b or wq_b reads one) and of the cast before its o_proj (where the routed o_proj
-        reads a copy)."""
+    def _dsa_producers(self, attn, tokens: int, table: dict, grouped: bool) -> dict:
+        """The routes of a DSA layer's latent norms (one kernel for both where its group runs as one launch,
+        else one each; the q_a norm's writes an fp16 copy where the routed q_b or wq_b reads one) and of the
+        cast before its o_proj (where the routed o_proj reads a copy)."""
         from ..kernels.linear import reads_x16
 
         def reads(m: Linear) -> bool:
             return id(m) in table and reads_x16(tokens, [m.weight], self.dtype)
 
-        routes = {id(attn.q_a_layernorm): NormRoute(attn.q_a_layernorm, self.copies,
-                                                    reads(attn.q_b_proj) or reads(attn.indexer.wq_b)),
-                  id(attn.kv_a_layernorm): NormRoute(attn.kv_a_layernorm)}
+        copy = reads(attn.q_b_proj) or reads(attn.indexer.wq_b)
+        group = self.dsa_groups.get(id(attn)) if grouped else None
+        if group is not None:
+            pair = NormPair(attn.q_a_layernorm, attn.kv_a_layernorm, group, DSA_GROUP.index("q_a_proj"),
+                            DSA_GROUP.index("kv_a_proj_with_mqa"), self.copies, copy)
+            routes = {id(attn.q_a_layernorm): pair.first, id(attn.kv_a_layernorm): pair.second}
+        else:
+            routes = {id(attn.q_a_layernorm): NormRoute(attn.q_a_layernorm, self.copies, copy),
+                      id(attn.kv_a_layernorm): NormRoute(attn.kv_a_layernorm)}
         if self.copies is not None and reads(attn.o_proj):
             routes[("input", id(attn.o_proj))] = CastRoute(self.copies)
         return routes
