@@ -178,6 +178,8 @@ def main(argv=None) -> None:
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--finish-scalar", action="store_true",
                    help="boundaries of one-token blocks finish on scalars (`FINISH_SCALAR`)")
+    p.add_argument("--finishers", action="store_true",
+                   help="boundaries finish each token on a program of its own (`TOKEN_FINISHERS`)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     modes = a.modes.split(",")
@@ -189,16 +191,17 @@ def main(argv=None) -> None:
         raise SystemExit("the overlap benchmark needs a GPU (kernel timestamps)")
     device = torch.device("cuda")
     results = []
-    shipped = _boundary.FINISH_SCALAR
-    _boundary.FINISH_SCALAR = shipped or a.finish_scalar
+    shipped = _boundary.FINISH_SCALAR, _boundary.TOKEN_FINISHERS
+    _boundary.FINISH_SCALAR = shipped[0] or a.finish_scalar
+    _boundary.TOKEN_FINISHERS = shipped[1] or a.finishers
     try:
         for T in [int(t) for t in a.t.split(",")]:
             for mode in modes:
                 results.append(dict(run(device, T, mode, a.case, a.layers, a.replays),
-                                    finish_scalar=_boundary.FINISH_SCALAR))
+                                    finish_scalar=_boundary.FINISH_SCALAR, finishers=_boundary.TOKEN_FINISHERS))
                 _print(results[-1])
     finally:
-        _boundary.FINISH_SCALAR = shipped
+        _boundary.FINISH_SCALAR, _boundary.TOKEN_FINISHERS = shipped
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(device), "results": results}, f, indent=1)
