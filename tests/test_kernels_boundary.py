@@ -423,7 +423,7 @@ def test_token_finishers(monkeypatch, T, D, block_t, chunk, dtype):
 
 def test_token_finishers_plan(monkeypatch):
     """Token finishers need n = 4, Sinkhorn in registers and rows of at most 4096 (a row per finisher);
-    `TOKEN_FINISHERS` turns them on where the caller does not say, with blocks of up to
+    `TOKEN_FINISHERS` turns them on from 2 tokens where the caller does not say, with blocks of up to
     `FINISHER_BLOCK_T` tokens and chunks of `FINISHER_CHUNK` on the GPU unless given; the last layer's
     launch never takes them (it has no mixer) and stays right."""
     assert not fused.plan(8, 4096, N, False, finishers=True)["FINISHERS"]  # the interpreter's tile Sinkhorn
@@ -432,7 +432,9 @@ def test_token_finishers_plan(monkeypatch):
     assert not fused.plan(8, 4100, N, True, finishers=True)["FINISHERS"]
     assert not fused.plan(8, 4096, N, True)["FINISHERS"]  # off as shipped
     monkeypatch.setattr(fused, "TOKEN_FINISHERS", True)
-    for T in (1, 2, 5, 8, 16, 64):
+    assert fused.plan(1, 4096, N, True) == {**fused.plan(1, 4096, N, True, finishers=False)}  # from 2 tokens
+    assert fused.plan(1, 4096, N, True, finishers=True)["FINISHERS"]
+    for T in (2, 5, 8, 16, 64):
         p = fused.plan(T, 4096, N, True)
         assert p["FINISHERS"] and p["BT"] == min(triton.next_power_of_2(T), fused.FINISHER_BLOCK_T)
         assert p["SUB"] * p["NSUB"] == fused.FINISHER_CHUNK and p["FIN"] == 4096

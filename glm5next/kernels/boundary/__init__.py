@@ -62,8 +62,9 @@ token on a program of its own: the grid gets, per token block, one finisher prog
 chunk programs; each waits (spinning on the block's ticket counter) for the block's chunk programs, then
 finishes its token as the scalar finisher does (`kernel._token_finisher`). Blocks of several tokens then
 read each chunk of the mixer once for all their tokens without finishing them one after another on one
-SM. Needs n = 4, Sinkhorn in registers and rows of at most 4096. Off: the H200 has not timed it (the tiling
-sweep's `--finishers` does); on the GPU it then takes blocks of up to `FINISHER_BLOCK_T` tokens."""
+SM. Needs n = 4, Sinkhorn in registers and rows of at most 4096; from 2 tokens (a caller's `finishers` at any
+count). Off: the H200 has not timed it (the tiling sweep's `--finishers` does); on the GPU it then takes blocks
+of up to `FINISHER_BLOCK_T` tokens."""
 FINISHER_BLOCK_T = 8
 """The token block of a launch with token finishers when the caller gives none (GPU)."""
 FINISHER_CHUNK = 64
@@ -80,7 +81,10 @@ def plan(T: int, D: int, n: int, on_gpu: bool, block_t: int | None = None, chunk
     # Sinkhorn's form: 0 [n, n] tiles, 1 registers, 2 registers with the approximate reciprocal.
     regs = on_gpu if SINKHORN_IN_REGISTERS is None else SINKHORN_IN_REGISTERS
     sk4 = (2 if on_gpu and SINKHORN_RCP else 1) if regs else 0
-    fin = bool(TOKEN_FINISHERS if finishers is None else finishers) and n == 4 and sk4 > 0 and _p2(D) <= 4096
+    # The module's flag applies from 2 tokens (one token gains nothing from a program of its own); a caller's
+    # `finishers` at any count.
+    want = (TOKEN_FINISHERS and T > 1) if finishers is None else finishers
+    fin = bool(want) and n == 4 and sk4 > 0 and _p2(D) <= 4096
     if block_t is None and fin and on_gpu:
         block_t = min(_p2(T), FINISHER_BLOCK_T)
     if chunk is None and fin and on_gpu:
