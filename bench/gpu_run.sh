@@ -3,7 +3,7 @@
 #
 #   OUT=DIR bench/gpu_run.sh STEP [STEP ...]
 #
-# STEP: tests[:kernels|boundary|specialized|graph|bf16|stamps] | tune:SIZES (e.g. tune:1,2,4,8) | specialized | speculative
+# STEP: tests[:kernels|boundary|specialized|graph|bf16|stamps|producers] | tune:SIZES (e.g. tune:1,2,4,8) | specialized | speculative
 #       | sweep[:M,M,...] | sweep-boundary[:T,T,...] | overlap[:T,T,...] (kernel timestamps of boundary + DSA group pairs)
 #       | ncu[:CASE,CASE,...] (Nsight Compute over glm5next.bench.profile_kernels' cases, e.g. ncu:dsa_group:1,boundary:8)
 # (SWEEP_ARGS adds options to the sweep, e.g. "--skip-probe --variants heuristic,swap"; NCU_ARGS to the profiled script,
@@ -77,7 +77,8 @@ for step in "$@"; do
                 graph) files=tests/gpu/test_graph_decode.py ;;
                 bf16) files="tests/gpu/test_specialized.py -k bf16_are_as_exact" ;;
                 stamps) files=tests/gpu/test_stamps.py ;;
-                *) echo "unknown test part: $part (kernels, boundary, specialized, graph, bf16, stamps)" >&2; exit 2 ;;
+                producers) files=tests/test_kernels_producers.py ;;  # the CPU file, on the GPU where it has one
+                *) echo "unknown test part: $part (kernels, boundary, specialized, graph, bf16, stamps, producers)" >&2; exit 2 ;;
             esac
             run "$(free "gpu-tests${part:+-$part}")" 480 python -m pytest -v -rP -p no:cacheprovider \
                 -o faulthandler_timeout=240 --durations=15 $files ;;

@@ -79,17 +79,20 @@ def test_dense_and_shared_expert_stages_equal_stock(tiny_fp32):
 
 
 def test_dsa_norms_and_value_cast_route_where_the_projections_are_routed(tiny_dir, tiny_fp32, monkeypatch):
-    """With the DSA projections routed, a DSA layer's latent norms run as kernels: one for both where its
-    group runs as one launch (the q_a norm's call normalises the group's kv_a output too, which the kv_a
-    norm's call then returns), one each with "single"; in bf16 the q_a norm's writes and files the fp16
+    """With the DSA projections routed, a DSA layer's latent norms run as kernels: with `NORM_PAIR` one for
+    both where its group runs as one launch (the q_a norm's call normalises the group's kv_a output too, which
+    the kv_a norm's call then returns), one each with "single" (and as shipped); in bf16 the q_a norm's writes and files the fp16
     copy the q_b and the wq_b read, and the cast before the o_proj runs as a kernel that writes the o_proj's
     copy. All equal the stock code's results (in fp32 within 1e-5; in bf16 the cast bit for bit up to the
     interpreter's truncating casts)."""
     import glm5next.kernels.producers as producers
+    import glm5next.specialized_decode.linear as routes
     from glm5next.model.backbone import Glm5NextModel
     from glm5next.model.routing import cast_input
     from glm5next.specialized_decode.linear import CastRoute, NormPair, NormRoute
 
+    assert not routes.NORM_PAIR  # off as shipped: one kernel each
+    monkeypatch.setattr(routes, "NORM_PAIR", True)
     launches = []
     for name in ("rms_norm", "rms_norm_pair"):
         real = getattr(producers, name)
@@ -193,6 +196,24 @@ def test_planned_step_equals_stock_step(tiny_fp32, choice):
     planned, stock = decode_alike(tiny_fp32, lens, ex, 3)
     for a, b in zip(planned.cache.tensors(), stock.cache.tensors()):
         close(a[:-1], b[:-1])  # every cache write but the padding row's scratch
+
+
+def test_planned_step_with_paired_dsa_norms_equals_stock_step(tiny_fp32, monkeypatch):
+    """`NORM_PAIR`: the planned step with each DSA layer's latent norms in one kernel equals the stock one
+    (logits and every cache write), and the pair kernel ran once per DSA layer a step."""
+    import glm5next.kernels.producers as producers
+    import glm5next.specialized_decode.linear as routes
+
+    monkeypatch.setattr(routes, "NORM_PAIR", True)
+    pairs = []
+    real = producers.rms_norm_pair
+    monkeypatch.setattr(producers, "rms_norm_pair", lambda *a, **k: pairs.append(1) or real(*a, **k))
+    ex = SpecializedDecode(tiny_fp32, policy(), SIZES)
+    planned, stock = decode_alike(tiny_fp32, [5, 40], ex, 2)
+    for a, b in zip(planned.cache.tensors(), stock.cache.tensors()):
+        close(a[:-1], b[:-1])
+    assert ex.planned_steps == 2
+    assert len(pairs) == 2 * sum(layer.layer_kind == "dsa" for layer in tiny_fp32.layers)
 
 
 @pytest.mark.parametrize("registers", [False, True])
@@ -344,10 +365,13 @@ def test_projection_case_runs_every_choice_after_its_boundary(tiny_fp32, monkeyp
     case.before()
     assert len(boundary_outputs) - n == kda_layers and not any(late for _, late in releases[-kda_layers:])
     # The DSA case runs a layer's projections as its forward does: the latent norms (as kernels where the
-    # projections are routed: one for both behind a grouped launch, one each with "single") between the group
-    # and the q_b, the values' cast before the o_proj.
+    # projections are routed: with `NORM_PAIR` one for both behind a grouped launch, one each with "single")
+    # between the group and the q_b, the values' cast before the o_proj.
     import glm5next.kernels.producers as producers
+    import glm5next.specialized_decode.linear as routes
     from glm5next.config import DSA
+
+    monkeypatch.setattr(routes, "NORM_PAIR", True)
 
     dsa_case = stages._projection_case(tiny_fp32, 2, DSA, "dsa_proj")
     norms = []

@@ -14,7 +14,7 @@ input has an fp16 copy filed (`Fp16Copies`) reads that. The boundary writes one 
 in a DSA layer whose projections are routed, the q_a norm runs as one kernel (`NormRoute`, as does the
 kv_a norm) that writes one where the q_b or the indexer's wq_b reads it, and the cast of the attention's
 values before the o_proj (`CastRoute`) writes one where the o_proj reads it; where the group runs as one
-launch, the q_a and kv_a norms run as one kernel (`NormPair`).
+launch, the q_a and kv_a norms can run as one kernel (`NormPair`, `NORM_PAIR`).
 """
 
 from __future__ import annotations
@@ -40,6 +40,10 @@ EARLY = ("grouped-early", "grouped-overlap", "grouped-hold")
 """The choices that launch the group as a programmatic dependent of the boundary before it."""
 RELEASE_LATE = ("grouped-overlap", "grouped-hold")
 """The choices whose boundary releases the group only after its partial products."""
+NORM_PAIR = False
+"""Whether a DSA layer whose projection group runs as one launch normalises its q_a and kv_a outputs in one
+kernel (`NormPair`) instead of one each. Off until the GPU tests have run it (the pair kernel gives each norm's
+bits alone in the interpreter and compiles for sm_90, 32 registers)."""
 GROUP_HOLD = {"grouped-hold": 4}
 """Choice -> K steps a group program holds in registers (fewer where its tiles would pass `HOLD_BYTES`).
 The DSA group at 1-16 rows has 4 steps a program: all held, nothing streams after the wait, and an sm_90
@@ -255,7 +259,7 @@ class ProjectionRoutes:
             return id(m) in table and reads_x16(tokens, [m.weight], self.dtype)
 
         copy = reads(attn.q_b_proj) or reads(attn.indexer.wq_b)
-        group = self.dsa_groups.get(id(attn)) if grouped else None
+        group = self.dsa_groups.get(id(attn)) if grouped and NORM_PAIR else None
         if group is not None:
             pair = NormPair(attn.q_a_layernorm, attn.kv_a_layernorm, group, DSA_GROUP.index("q_a_proj"),
                             DSA_GROUP.index("kv_a_proj_with_mqa"), self.copies, copy)
