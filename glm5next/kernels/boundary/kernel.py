@@ -500,27 +500,18 @@ def mhc_kernel(
     _stamp(stamp_ptr, 0, STAMP)
     c = tl.program_id(0)
     tb = tl.program_id(1)
-    if FINISHERS:
-        if c >= NC:
-            _token_finisher(
-                c, tb, base_ptr, scale_ptr, w_ptr, new_streams_ptr, new_post_ptr, new_comb_ptr, x_ptr, part_ptr,
-                ticket_ptr, T, hc_eps, rms_eps, norm_eps, post_mult, stamp_ptr, x16_ptr,
-                D, ROWS, ITERS, BT, NC, NCB, FIN, SK4, PDL, RELEASE_LATE, STAMP, X16, DONE_AT,
-            )
-        else:
-            _chunk_program(
-                c, tb, out_ptr, streams_ptr, post_ptr, comb_ptr, fn_ptr, base_ptr, scale_ptr, w_ptr,
-                new_streams_ptr, new_post_ptr, new_comb_ptr, x_ptr, part_ptr, ticket_ptr,
-                T, hc_eps, rms_eps, norm_eps, post_mult, stamp_ptr, x16_ptr,
-                D, N, ROWS, MODE, ITERS, BT, SUB, NSUB, NC, NCB, FIN, SK4, BY_TOKEN, PDL,
-                RELEASE_LATE, ITERS_IN, STAMP, X16, SCALAR, True,
-            )
+    if FINISHERS and c >= NC:
+        _token_finisher(
+            c, tb, base_ptr, scale_ptr, w_ptr, new_streams_ptr, new_post_ptr, new_comb_ptr, x_ptr, part_ptr,
+            ticket_ptr, T, hc_eps, rms_eps, norm_eps, post_mult, stamp_ptr, x16_ptr,
+            D, ROWS, ITERS, BT, NC, NCB, FIN, SK4, PDL, RELEASE_LATE, STAMP, X16, DONE_AT,
+        )
     else:
         _chunk_program(
             c, tb, out_ptr, streams_ptr, post_ptr, comb_ptr, fn_ptr, base_ptr, scale_ptr, w_ptr,
             new_streams_ptr, new_post_ptr, new_comb_ptr, x_ptr, part_ptr, ticket_ptr,
             T, hc_eps, rms_eps, norm_eps, post_mult, stamp_ptr, x16_ptr,
             D, N, ROWS, MODE, ITERS, BT, SUB, NSUB, NC, NCB, FIN, SK4, BY_TOKEN, PDL,
-            RELEASE_LATE, ITERS_IN, STAMP, X16, SCALAR, False,
+            RELEASE_LATE, ITERS_IN, STAMP, X16, SCALAR, FINISHERS,
         )
     _stamp(stamp_ptr, 7, STAMP)  # END
