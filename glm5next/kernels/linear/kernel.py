@@ -592,8 +592,6 @@ def launch(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tens
         return TensorDescriptor.from_tensor(w, [bn, bk]) if tma else w
 
     every_fp8 = all(s is not None for s in scales) and (up is None or up[1] is not None)
-    # On the GPU, row halves take 16-bit products only (fp32 activations keep the one product).
-    gpu_f32 = not on_cpu and x.dtype == torch.float32
     xa = x16 if x16 is not None and plan.half and every_fp8 else x  # the activations the products take
 
     fp8_mask = f32_mask = 0
@@ -626,7 +624,7 @@ def launch(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tens
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_DOT=plan.use_dot, F32_SUB=min(plan.f32_sub_k, bk), HALF=plan.half,
         SWAP=plan.swap, TMA=tma, PDL=pdl, PDL_LATE=pdl and plan.pdl_late, STAMP=stamped,
         O16=out16 is not None, HOLD=hold, ITERS_MAX=iters if hold and hold >= iters else 1 << 30,
-        HALVES=plan.halves and bm == 64 and plan.use_dot and not plan.swap and not hold and not gpu_f32,
+        HALVES=plan.halves,  # `plan_launch` sets it only at BLOCK_M 64, for tensor-core products of 16-bit x
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
         **({"launch_pdl": True} if pdl else {}))
