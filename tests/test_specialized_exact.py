@@ -114,7 +114,7 @@ def test_dsa_norms_and_value_cast_route_where_the_projections_are_routed(tiny_di
             if choice == "grouped":
                 pair = q_norm.__self__
                 assert isinstance(pair, NormPair) and kv_norm.__self__ is pair
-                assert (pair.copies is ex.copies) == (model is bf16)
+                assert (pair.q_alone.copies is ex.copies) == (model is bf16)
             else:
                 assert isinstance(q_norm, NormRoute) and isinstance(kv_norm, NormRoute) and kv_norm.copies is None
                 assert (q_norm.copies is ex.copies) == (model is bf16)

@@ -78,6 +78,11 @@ class SingleRoute:
         return skinny_linear(x, self.linear.weight, self.linear.weight_scale_inv, x16=x16)
 
 
+def _rows(t: torch.Tensor) -> bool:
+    """A 2-D tensor with unit stride along its rows, as the norm kernels take."""
+    return t.dim() == 2 and (t.stride(1) == 1 or t.shape[1] <= 1)
+
+
 class NormRoute:
     """An RMSNorm in one kernel; with `copy`, the kernel also writes its output in fp16, filed in `copies`
     for the projections after it that read such a copy."""
@@ -86,18 +91,24 @@ class NormRoute:
         self.norm = norm
         self.copies = copies if copy else None
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        from ..kernels.producers import rms_norm
+    def copy_for(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The buffer of the fp16 copy of the norm of `x`, where one is filed (else None)."""
+        if self.copies is None or x.dtype != torch.bfloat16:
+            return None
+        return torch.empty(x.shape, dtype=torch.float16, device=x.device)
 
-        if x.dim() != 2 or (x.stride(1) != 1 and x.shape[1] > 1):
-            return rms_norm_stock(x, self.norm.weight, self.norm.eps)
-        out16 = None
-        if self.copies is not None and x.dtype == torch.bfloat16:
-            out16 = torch.empty(x.shape, dtype=torch.float16, device=x.device)
-        out = rms_norm(x, self.norm.weight, self.norm.eps, out16)
+    def filed(self, out: torch.Tensor, out16: torch.Tensor | None) -> torch.Tensor:
         if out16 is not None:
             self.copies.put(out, out16)
         return out
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        from ..kernels.producers import rms_norm
+
+        if not _rows(x):
+            return rms_norm_stock(x, self.norm.weight, self.norm.eps)
+        out16 = self.copy_for(x)
+        return self.filed(rms_norm(x, self.norm.weight, self.norm.eps, out16), out16)
 
 
 class NormPair:
@@ -106,35 +117,28 @@ class NormPair:
     its input and normalises it too; the kv_a norm's call on that output then returns the result. Either norm
     called on anything else runs alone (`NormRoute`)."""
 
-    def __init__(self, q_norm: RMSNorm, kv_norm: RMSNorm, group: "GroupRoute", q_index: int, kv_index: int,
-                 copies: Fp16Copies | None = None, copy: bool = False) -> None:
-        self.q_norm, self.kv_norm = q_norm, kv_norm
+    Q, KV = DSA_GROUP.index("q_a_proj"), DSA_GROUP.index("kv_a_proj_with_mqa")
+    """The q_a and kv_a projections' places in the group."""
+
+    def __init__(self, q_norm: RMSNorm, kv_norm: RMSNorm, group: "GroupRoute", copies: Fp16Copies | None = None,
+                 copy: bool = False) -> None:
         self.q_alone, self.kv_alone = NormRoute(q_norm, copies, copy), NormRoute(kv_norm)
-        self.group, self.q_index, self.kv_index = group, q_index, kv_index
-        self.copies = copies if copy else None
+        self.group = group
         self._kv_in: torch.Tensor | None = None
         self._kv_out: torch.Tensor | None = None
-
-    @staticmethod
-    def _rows(t: torch.Tensor) -> bool:
-        return t.dim() == 2 and (t.stride(1) == 1 or t.shape[1] <= 1)
 
     def first(self, x: torch.Tensor) -> torch.Tensor:
         from ..kernels.producers import rms_norm_pair
 
-        outs = self.group.outputs_of(x, self.q_index)
-        kv = None if outs is None else outs[self.kv_index]
-        if kv is None or not (self._rows(x) and self._rows(kv)) or kv.dtype != x.dtype:
+        outs = self.group.outputs_of(x, self.Q)
+        kv = None if outs is None else outs[self.KV]
+        if kv is None or not (_rows(x) and _rows(kv)) or kv.dtype != x.dtype:
             return self.q_alone(x)
-        out16 = None
-        if self.copies is not None and x.dtype == torch.bfloat16:
-            out16 = torch.empty(x.shape, dtype=torch.float16, device=x.device)
-        out, self._kv_out = rms_norm_pair(x, self.q_norm.weight, self.q_norm.eps, kv, self.kv_norm.weight,
-                                          self.kv_norm.eps, out16)
+        q, k = self.q_alone.norm, self.kv_alone.norm
+        out16 = self.q_alone.copy_for(x)
+        out, self._kv_out = rms_norm_pair(x, q.weight, q.eps, kv, k.weight, k.eps, out16)
         self._kv_in = kv
-        if out16 is not None:
-            self.copies.put(out, out16)
-        return out
+        return self.q_alone.filed(out, out16)
 
     def second(self, x: torch.Tensor) -> torch.Tensor:
         if x is self._kv_in:
@@ -261,8 +265,7 @@ class ProjectionRoutes:
         copy = reads(attn.q_b_proj) or reads(attn.indexer.wq_b)
         group = self.dsa_groups.get(id(attn)) if grouped and NORM_PAIR else None
         if group is not None:
-            pair = NormPair(attn.q_a_layernorm, attn.kv_a_layernorm, group, DSA_GROUP.index("q_a_proj"),
-                            DSA_GROUP.index("kv_a_proj_with_mqa"), self.copies, copy)
+            pair = NormPair(attn.q_a_layernorm, attn.kv_a_layernorm, group, self.copies, copy)
             routes = {id(attn.q_a_layernorm): pair.first, id(attn.kv_a_layernorm): pair.second}
         else:
             routes = {id(attn.q_a_layernorm): NormRoute(attn.q_a_layernorm, self.copies, copy),
