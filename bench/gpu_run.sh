@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU measurements of bench/NOTES.md, in one process tree per call:
+# The GPU measurements behind docs/decisions.md, in one process tree per call:
 #
 #   OUT=DIR bench/gpu_run.sh STEP [STEP ...]
 #
