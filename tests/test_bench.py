@@ -539,6 +539,9 @@ def test_tune_merge_keeps_the_sizes_not_measured():
     times = merged["times_us"]["boundary"]
     assert times["1"] == {"fused": 7.5} and times["16"] == {"fused": 15.0}
     assert "day 2" in merged["measured"] and "day 1" in merged["measured"]
+    # A run of one stage (`--stages moe`) keeps every other stage's entries, at the same token counts too.
+    only = merge_policy_docs(old, {"gpu": "NVIDIA H200", "measured": "day 3", "tables": {"moe": {"1": "grouped"}}})
+    assert only["tables"] == {**old["tables"], "moe": {"1": "grouped"}}
     with pytest.raises(PolicyError, match="H100"):
         merge_policy_docs(dict(old, gpu="NVIDIA H100"), new)
     with pytest.raises(PolicyError, match="warp"):

@@ -73,7 +73,7 @@ def test_dense_and_shared_expert_stages_equal_stock(tiny_fp32):
     close(ex.shared[5](x), tiny_fp32.layers[5].mlp.shared_experts(x))
     # "fused-overlap" routes the shared expert's call to the stage with its launches overlapped.
     shared = tiny_fp32.layers[5].mlp.shared_experts
-    route = SpecializedDecode(tiny_fp32, policy(shared_expert="fused-overlap"), SIZES).routes(4)[id(shared)]
+    route = SpecializedDecode(tiny_fp32, policy(shared_expert="fused-overlap", moe=None), SIZES).routes(4)[id(shared)]
     assert route.keywords == {"overlap": True}
     close(route(x), shared(x))
 

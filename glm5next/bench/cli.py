@@ -236,6 +236,7 @@ def add_tune_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stages", default=None, help="comma-separated stages to measure (default: every stage)")
     p.add_argument("--merge", action="store_true",
                    help="keep the token counts of an existing --out file that this run does not measure "
                         "(tune the sizes in parts)")
@@ -256,7 +257,7 @@ def merge_policy_docs(old: dict, new: dict) -> dict:
 
     if old.get("gpu") not in (None, new.get("gpu")):
         raise PolicyError(f"it was measured on {old.get('gpu')!r}, this run on {new.get('gpu')!r}")
-    measured = {n for table in new["tables"].values() for n in table}
+    measured = {stage: set(table) for stage, table in new["tables"].items()}
     merged = dict(new)
     for key in ("tables", "times_us"):
         out = {stage: dict(table) for stage, table in new.get(key, {}).items()}
@@ -264,20 +265,20 @@ def merge_policy_docs(old: dict, new: dict) -> dict:
             if not isinstance(table, dict):
                 raise PolicyError(f"{key}[{stage!r}] is not an object")
             for n, value in table.items():
-                if n not in measured:
+                if n not in measured.get(stage, ()):
                     out.setdefault(stage, {})[n] = value
         merged[key] = {stage: dict(sorted(table.items(), key=lambda kv: int(kv[0]))) for stage, table in out.items()}
     Policy(merged["tables"], source="the merged policy")  # validates what was kept
     if old.get("measured") and old.get("measured") != new.get("measured"):
-        merged["measured"] = f"{new.get('measured')} (sizes {', '.join(sorted(measured, key=int))}); " \
-                             f"the rest {old['measured']}"
+        what = "; ".join(f"{stage} at {', '.join(sorted(counts, key=int))}" for stage, counts in measured.items())
+        merged["measured"] = f"{new.get('measured')} ({what}); the rest {old['measured']}"
     return merged
 
 
 def cmd_tune(args) -> int:
     import torch
 
-    from ..specialized_decode.policy import POLICY_DIR, Policy, PolicyError, gpu_slug
+    from ..specialized_decode.policy import POLICY_DIR, STAGES, Policy, PolicyError, gpu_slug
     from .slice import build_slice_model, slice_config
     from .specialized import tune_policy
     from .stock import _versions
@@ -287,7 +288,12 @@ def cmd_tune(args) -> int:
         return 2
     device = torch.device("cuda")
     model = build_slice_model(slice_config(args.layers), device, seed=args.seed)
-    policy, times = tune_policy(model, [m for m in args.sizes if m <= 64], args.replays)
+    stages = args.stages.split(",") if args.stages else None
+    unknown = sorted(set(stages or ()) - set(STAGES))
+    if unknown:
+        print(f"glm5next tune-policy: unknown stages {unknown} (stages: {', '.join(STAGES)})", file=sys.stderr)
+        return 2
+    policy, times = tune_policy(model, [m for m in args.sizes if m <= 64], args.replays, stages)
     name = torch.cuda.get_device_name(device)
     out = args.out or os.path.join(POLICY_DIR, gpu_slug(name) + ".json")
     v = _versions(device)

@@ -77,7 +77,7 @@ def run_specialized(opts: StockOptions, policy_path: str | None) -> dict:
     config = slice_config(opts.layers, small=opts.small)
     log(f"building the {'small' if opts.small else 'real-width'} {opts.layers}-layer slice")
     model = build_slice_model(config, device, seed=opts.seed)
-    policy = Policy.from_file(policy_path) if policy_path else Policy.for_gpu(torch.cuda.get_device_name(device))
+    policy = Policy.from_file(policy_path) if policy_path else Policy.for_gpu(torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device))
     if policy is None:
         raise ValueError("no policy: pass --policy or run `glm5next tune-policy` first")
     bw = measure_read_bandwidth(device, opts.bw_gib)
@@ -205,11 +205,12 @@ def _stage_rows(model, m: int, policy: Policy, bandwidth: float) -> list[dict]:
     return rows
 
 
-def tune_policy(model, sizes, replays: int = 20) -> tuple[Policy, dict]:
-    """Time every choice (stock included) of every stage at every size; the fastest wins."""
+def tune_policy(model, sizes, replays: int = 20, stages=None) -> tuple[Policy, dict]:
+    """Time every choice (stock included) of every stage (of `stages`, when given) at every size; the
+    fastest wins."""
     tables, times = {}, {}
     for m in sizes:
-        for case in stage_cases(model, m):
+        for case in stage_cases(model, m, stages):
             measured = {}
             for c in case.runs:
                 try:

@@ -71,7 +71,7 @@ NO_POLICY = "no measured policy for this device (pass --policy, or run `glm5next
 def _policy(path: str | None, device: torch.device) -> Policy | None:
     if path:
         return Policy.from_file(path)
-    return Policy.for_gpu(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    return Policy.for_gpu(torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)) if device.type == "cuda" else None
 
 
 def _items(r: int, q: int, context: int, blocks: list[list[int]], vocab: int, rng: random.Random) -> list:

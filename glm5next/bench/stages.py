@@ -31,6 +31,7 @@ from ..specialized_decode.dense_mlp import DenseMlpStage
 from ..specialized_decode.linear import (DSA_GROUP, DSA_SINGLES, KDA_GROUP, KDA_SINGLES, RELEASE_LATE, ProjectionRoutes,
                                           _get)
 from ..specialized_decode.logits import LogitsStage
+from ..specialized_decode.moe import MoeStage
 from ..specialized_decode.policy import STAGES, STOCK, Policy
 from .floor import capture, time_replays
 
@@ -210,6 +211,29 @@ def _mlp_case(model, m: int, stage: str) -> Case:
     return Case(stage, m, per, runs, len(calls), before)
 
 
+def moe_case(model, m: int) -> Case:
+    """Every MoE layer's FFN (router, routed experts, shared expert) on its own random input: the stage
+    against the stock module's graph-safe path. The bytes are each layer's router, shared expert and the
+    distinct experts its routing touched, averaged."""
+    cfg, dev, dt = model.config, model.embed_tokens.device, model.embed_tokens.dtype
+    gen = torch.Generator(device=dev).manual_seed(m + 3)
+    calls, total = [], 0
+    for layer in model.layers:
+        if layer.mlp_is_moe and MoeStage.supports(layer.mlp):
+            stage = MoeStage(layer.mlp)
+            x = torch.randn(m, cfg.hidden_size, generator=gen, device=dev).to(dt)
+            ids = layer.mlp.gate(x)[0]
+            experts = layer.mlp.experts
+            per_expert = sum(_nbytes(t) for t in (experts.gate_proj, experts.up_proj, experts.down_proj,
+                                                  experts.gate_proj_scale_inv, experts.up_proj_scale_inv,
+                                                  experts.down_proj_scale_inv)) // experts.num_experts
+            total += (_nbytes(layer.mlp.gate.weight) + per_expert * (1 + int(torch.unique(ids).numel())))
+            calls.append((layer.mlp, stage, x))
+    runs = {"grouped": lambda: [stage(x) for _, stage, x in calls],
+            STOCK: lambda: [moe(x, graph_safe=True) for moe, _, x in calls]}
+    return Case("moe", m, total // max(len(calls), 1), runs, len(calls))
+
+
 def logits_case(model, m: int) -> Case:
     dev, dt = model.embed_tokens.device, model.embed_tokens.dtype
     h = torch.randn(m, model.config.hidden_size, generator=torch.Generator(device=dev).manual_seed(m), device=dev).to(dt)
@@ -227,12 +251,14 @@ def stage_cases(model, m: int, stages=None) -> list[Case]:
         "dsa_proj": lambda: _projection_case(model, m, DSA, "dsa_proj"),
         "dense_mlp": lambda: _mlp_case(model, m, "dense_mlp"),
         "shared_expert": lambda: _mlp_case(model, m, "shared_expert"),
+        "moe": lambda: moe_case(model, m),
         "logits_head": lambda: logits_case(model, m),
     }
     kinds = {layer.layer_kind for layer in model.layers}
     has = {"kda_proj": KDA in kinds, "dsa_proj": DSA in kinds,
            "dense_mlp": any(not layer.mlp_is_moe for layer in model.layers),
            "shared_expert": any(layer.mlp_is_moe for layer in model.layers),
+           "moe": any(layer.mlp_is_moe and MoeStage.supports(layer.mlp) for layer in model.layers),
            "logits_head": model.lm_head.weight.dtype == torch.bfloat16, "boundary": True}
     return [builders[s]() for s in (stages or STAGES) if has[s]]
 

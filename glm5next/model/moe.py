@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ROUTER_NORM_EPS, Glm5NextConfig
+from ..kernels.moe import ExpertWeights, moe_prefill
 from ..parallel.collectives import reduce_output
 from ..parallel.group import SINGLE, TensorParallel
 from .mlp import MLP, clamped_swiglu
@@ -31,9 +32,13 @@ class Router(nn.Module):
         return F.linear(x.float(), self.weight.float())
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The chosen experts [T, k] int64 and their weights [T, k] fp32."""
+        """The chosen experts [T, k] int64, by descending selection score, and their weights [T, k] fp32.
+
+        Experts with equal selection scores are chosen in ascending index order (a stable sort), the
+        rule the MoE kernels follow too."""
         scores = torch.sigmoid(self.logits(x))
-        ids = torch.topk(scores + self.e_score_correction_bias.float(), self.top_k, dim=-1, sorted=False).indices
+        sel = scores + self.e_score_correction_bias.float()
+        ids = torch.sort(sel, dim=-1, descending=True, stable=True).indices[:, : self.top_k]
         weights = scores.gather(1, ids)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + ROUTER_NORM_EPS)
@@ -174,12 +179,27 @@ class MoE(nn.Module):
                                   "moe_intermediate_size * n_shared_experts", reduce=False)
 
     def forward(self, x: torch.Tensor, graph_safe: bool = False) -> torch.Tensor:
+        grouped = self.grouped() if x.is_cuda and not graph_safe else None
+        if grouped is not None:
+            # Eager steps on a GPU (prefill, mixed steps): the grouped expert kernels, shared expert included.
+            ids, weights = self.gate(x)
+            return reduce_output(moe_prefill(x, ids, weights, grouped, self.experts.swiglu_limit), self.tp)
         # The shared expert first: in a planned decode step its kernels then follow the boundary that
         # produces x directly, so they can start (and fetch their weights) while it finishes. The sum
         # is the same (routed + shared) whatever runs first.
         shared = self.shared_experts(x)
         ids, weights = self.gate(x)
         return reduce_output(self.experts(x, ids, weights, graph_safe) + shared, self.tp)
+
+    def grouped(self) -> ExpertWeights | None:
+        """The weights as the grouped expert kernels read them, or None where they cannot (a shared expert
+        of another shape or storage type than the routed ones)."""
+        try:
+            weights = ExpertWeights.of(self)
+            weights.shared_offsets()
+        except ValueError:
+            return None
+        return weights
 
     def tensor_specs(self, prefix: str) -> dict[str, TensorSpec]:
         """Router, routed experts and shared expert tensors under `prefix` (e.g. `layers.3.mlp`)."""

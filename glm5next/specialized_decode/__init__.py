@@ -37,7 +37,7 @@ def build_executor(model, backend: str, policy_path: str | None, capture_sizes, 
     if policy_path is not None:
         policy = Policy.from_file(policy_path)
     elif device.type == "cuda":
-        policy = Policy.for_gpu(torch.cuda.get_device_name(device))
+        policy = Policy.for_gpu(torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device))
     else:
         policy = None
     if policy is None:

@@ -34,6 +34,7 @@ from .copies import Fp16Copies
 from .dense_mlp import DenseMlpStage
 from .linear import ProjectionRoutes
 from .logits import LogitsStage
+from .moe import MoeStage
 from .policy import MAX_TOKENS, Policy
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,11 @@ class Step:
     @property
     def tokens(self) -> int:
         return self.positions.shape[-1]
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """[tokens] int64: each token's cache slot, -1 for the rows that pad the step to its graph size."""
+        return next(iter(self.metadata.values())).slot_mapping
 
 
 def is_decode(md: AttnMetadata, q: int, b: int) -> bool:
@@ -96,6 +102,10 @@ class LayerStages:
         if self.policy.enabled("dense_mlp"):
             self.dense = {layer.layer_idx: DenseMlpStage(layer.mlp, self.copies) for layer in layers
                           if not layer.mlp_is_moe and DenseMlpStage.supports(layer.mlp)}
+        self.moe = {}
+        if self.policy.enabled("moe"):
+            self.moe = {layer.layer_idx: MoeStage(layer.mlp) for layer in layers
+                        if layer.mlp_is_moe and MoeStage.supports(layer.mlp)}
         self.shared = {}
         if self.policy.enabled("shared_expert"):
             if not config.norm_topk_prob:
@@ -121,9 +131,15 @@ class LayerStages:
         choice = self.policy("shared_expert", tokens)
         if choice:
             for idx, stage in self.shared.items():
+                if self.runs_moe(idx, tokens):
+                    continue
                 table[id(self.layers_by_idx[idx].mlp.shared_experts)] = (
                     functools.partial(stage, overlap=True) if choice == "fused-overlap" else stage)
         return table
+
+    def runs_moe(self, layer_idx: int, tokens: int) -> bool:
+        """Whether the MoE stage runs layer `layer_idx`'s FFN at this token count (shared expert included)."""
+        return layer_idx in self.moe and self.policy("moe", tokens) is not None
 
     def mlp_release_late(self, layer, tokens: int) -> bool:
         """Whether the boundary before `layer`'s MLP releases the next launch only after its partial
@@ -131,6 +147,8 @@ class LayerStages:
         the shared expert's, is "fused-overlap" at this token count."""
         if layer.layer_idx in self.dense:
             return self.policy("dense_mlp", tokens) == "fused-overlap"
+        if self.runs_moe(layer.layer_idx, tokens):
+            return False
         return layer.layer_idx in self.shared and self.policy("shared_expert", tokens) == "fused-overlap"
 
     def reads_x16(self, layer, sublayer: str, tokens: int) -> bool:
@@ -139,6 +157,8 @@ class LayerStages:
         if sublayer == "attention":
             return self.projections.reads_x16(layer, tokens)
         dtype = self.backbone.embed_tokens.dtype
+        if self.runs_moe(layer.layer_idx, tokens):
+            return False
         dense, shared = self.dense.get(layer.layer_idx), self.shared.get(layer.layer_idx)
         return ((dense is not None and bool(self.policy("dense_mlp", tokens)) and dense.reads_x16(tokens, dtype))
                 or (shared is not None and bool(self.policy("shared_expert", tokens))
@@ -153,6 +173,10 @@ class LayerStages:
 
     def mlp(self, layer, x: torch.Tensor, step: Step) -> tuple[torch.Tensor, bool]:
         """The FFN output and whether it is still TP-partial."""
+        if self.runs_moe(layer.layer_idx, x.shape[0]):
+            partial = self.partial(x.shape[0])
+            out = self.moe[layer.layer_idx](x, step.slots)  # this rank's share of the experts
+            return (out if partial else all_reduce(out, self.backbone.tp)), partial
         dense = self.dense.get(layer.layer_idx)
         choice = self.policy("dense_mlp", x.shape[0]) if dense is not None else None
         if choice:
@@ -193,6 +217,7 @@ class DraftStages(LayerStages):
         self.layers_by_idx = {mtp.layer_idx: mtp}
         self._build_stages([mtp])
         self.boundary_stage = None
+        self.moe = {}  # the draft layer's FFN runs in its stock forward (its shared expert routed)
         self.calls = 0
         """Draft-layer forwards that ran with at least one stage routed."""
 

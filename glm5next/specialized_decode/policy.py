@@ -30,6 +30,7 @@ STAGES: dict[str, tuple[str, ...]] = {
     "dsa_proj": ("grouped", "grouped-early", "grouped-overlap", "grouped-hold", "single"),
     "dense_mlp": ("fused", "fused-overlap"),
     "shared_expert": ("fused", "fused-overlap"),
+    "moe": ("grouped",),
     "logits_head": ("gemv", "splitk"),
 }
 """Every implemented stage and its choices (besides stock)."""
@@ -105,15 +106,21 @@ class Policy:
         return cls(data["tables"], source=path)
 
     @classmethod
-    def for_gpu(cls, name: str) -> "Policy | None":
-        """The shipped policy for the GPU called `name`, or None where none ships; its source names the
-        file inside the package, wherever that is installed."""
-        path = os.path.join(POLICY_DIR, gpu_slug(name) + ".json")
-        if not os.path.exists(path):
+    def for_gpu(cls, name: str, capability: tuple[int, int] | None = None) -> "Policy | None":
+        """The shipped policy for the GPU called `name` over the default table of its architecture
+        (`sm90.json` for compute capability 9.x, Hopper, measured on one GPU of it): a stage that the GPU's own
+        table lacks takes the default's entries, and a GPU without a table of its own runs the default.
+        None where neither ships. Its source names the files inside the package, wherever that is installed."""
+        own = os.path.join(POLICY_DIR, gpu_slug(name) + ".json")
+        default = os.path.join(POLICY_DIR, f"sm{capability[0]}0.json") if capability is not None else ""
+        paths = [p for p in (default, own) if os.path.exists(p)]
+        if not paths:
             return None
-        policy = cls.from_file(path)
-        policy.source = f"glm5next/specialized_decode/policies/{os.path.basename(path)}"
-        return policy
+        tables = {}
+        for p in paths:
+            tables.update(cls.from_file(p).to_dict()["tables"])
+        return cls(tables, source=" over ".join(f"glm5next/specialized_decode/policies/{os.path.basename(p)}"
+                                                for p in reversed(paths)))
 
     def __repr__(self) -> str:
         runs = {s: sorted(n for n, c in t.items() if c is not None) for s, t in self.tables.items()}

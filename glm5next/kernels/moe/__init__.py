@@ -1,0 +1,275 @@
+"""The MoE layer of a step of up to 64 tokens in five launches: router logits (split-K), routing (top-k
+and grouping by expert, one program), grouped gate|up with the clamped SwiGLU, grouped down with the
+routing weight, and the per-token combine. Each expert's weights are read once per step for all the
+rows routed to it; the shared expert is one more expert that every valid token routes to with weight 1.
+
+Every launch has a static grid (sized for the most experts a step can touch), reads its row counts
+from the device and needs no host sync, so the whole layer is CUDA-graph safe after one eager call
+compiles it. The output is deterministic: each token's experts are summed in a fixed order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from .experts import combine_kernel, down_kernel, gate_up_kernel
+from .reference import moe_reference, route_reference
+from .routing import route_kernel, router_logits_kernel
+
+__all__ = ["ExpertWeights", "MoePlan", "Routing", "experts_forward", "group_rows", "moe_forward", "moe_prefill",
+           "moe_reference", "plan_moe", "prefill_plan", "route", "route_reference"]
+
+MAX_TOKENS = 64
+"""Most tokens one call takes (the routing kernel holds the whole step in one program)."""
+FP8 = torch.float8_e4m3fn
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """One MoE layer's weights as the kernels read them (views of the model's tensors, never copies):
+    router `[E, D]` fp32 and its selection bias `[E]`; routed experts stacked, gate / up `[E, I, D]`,
+    down `[E, D, I]`, FP8 with block scales `[E, ceil(N/128), ceil(K/128)]` or 16/32-bit with None; the
+    shared expert's gate / up `[I, D]` and down `[D, I]` in the same storage type."""
+
+    router: torch.Tensor
+    bias: torch.Tensor
+    gate: torch.Tensor
+    gate_scale: torch.Tensor | None
+    up: torch.Tensor
+    up_scale: torch.Tensor | None
+    down: torch.Tensor
+    down_scale: torch.Tensor | None
+    shared_gate: torch.Tensor
+    shared_gate_scale: torch.Tensor | None
+    shared_up: torch.Tensor
+    shared_up_scale: torch.Tensor | None
+    shared_down: torch.Tensor
+    shared_down_scale: torch.Tensor | None
+
+    def __post_init__(self) -> None:
+        e, i, d = self.gate.shape
+        want = {"gate": (e, i, d), "up": (e, i, d), "down": (e, d, i), "shared_gate": (i, d), "shared_up": (i, d),
+                "shared_down": (d, i), "router": (e, d), "bias": (e,)}
+        for name, shape in want.items():
+            t = getattr(self, name)
+            if tuple(t.shape) != shape:
+                raise ValueError(f"MoE weights: {name} is {tuple(t.shape)}, expected {shape}")
+            if not t.is_contiguous():
+                raise ValueError(f"MoE weights: {name} must be contiguous")
+        scaled = {n: getattr(self, n + "_scale") is not None for n in ("gate", "up", "down", "shared_gate",
+                                                                       "shared_up", "shared_down")}
+        if len(set(scaled.values())) != 1 or len({getattr(self, n).dtype for n in scaled}) != 1:
+            raise ValueError("MoE weights: routed and shared experts must share one storage type")
+        if self.scaled != (self.gate.dtype == FP8):
+            raise ValueError("MoE weights: FP8 weights need block scales, other weights none")
+
+    @property
+    def scaled(self) -> bool:
+        return self.gate_scale is not None
+
+    @classmethod
+    def of(cls, moe) -> "ExpertWeights":
+        """The weights of a `glm5next.model.moe.MoE` module."""
+        ex, sh = moe.experts, moe.shared_experts
+        return cls(moe.gate.weight, moe.gate.e_score_correction_bias,
+                   ex.gate_proj, ex.gate_proj_scale_inv, ex.up_proj, ex.up_proj_scale_inv,
+                   ex.down_proj, ex.down_proj_scale_inv,
+                   sh.gate_proj.weight, sh.gate_proj.weight_scale_inv, sh.up_proj.weight, sh.up_proj.weight_scale_inv,
+                   sh.down_proj.weight, sh.down_proj.weight_scale_inv)
+
+    def shared_offsets(self) -> tuple[int, int, int, int, int, int]:
+        """Element offsets of the shared expert's gate, up, down weights and their scales from the stacked
+        routed tensors' bases (the kernels address both from one pointer)."""
+        pairs = [(self.gate, self.shared_gate), (self.up, self.shared_up), (self.down, self.shared_down),
+                 (self.gate_scale, self.shared_gate_scale), (self.up_scale, self.shared_up_scale),
+                 (self.down_scale, self.shared_down_scale)]
+        out = []
+        for base, t in pairs:
+            if base is None:
+                out.append(0)
+                continue
+            delta = t.data_ptr() - base.data_ptr()
+            if delta % base.element_size():
+                raise ValueError("MoE weights: the shared expert is not element-aligned with the routed experts")
+            out.append(delta // base.element_size())
+        return tuple(out)
+
+
+@dataclass(frozen=True)
+class MoePlan:
+    """Launch parameters of one MoE call (a deterministic function of the shapes and the device)."""
+
+    block_t: int
+    """Tokens padded to a power of two of at least 16 (the router's and the routing kernel's rows)."""
+    router_block_e: int
+    router_split: int
+    router_block_k: int
+    block_m: int
+    """Rows of one expert per product (an expert with more loops over blocks of them)."""
+    gate_up_block_n: int
+    down_block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    combine_block_n: int
+    w8a8: bool = False
+    """FP8 tensor-core products: activations quantised to e4m3 per row and 128-channel group on the fly
+    (FP8 weights only), instead of weights widened to 16 bits."""
+
+    def describe(self) -> str:
+        return (f"router split-K {self.router_split} x {self.router_block_e} experts; experts BLOCK_M {self.block_m}, "
+                f"gate|up BLOCK_N {self.gate_up_block_n}, down BLOCK_N {self.down_block_n}, BLOCK_K {self.block_k}, "
+                f"{self.num_warps} warps, {self.num_stages} stages" + (", w8a8" if self.w8a8 else ""))
+
+
+def plan_moe(tokens: int, hidden: int, device: torch.device, **overrides) -> MoePlan:
+    """The launch plan for `tokens` rows; `overrides` replace single fields (the tuner's variants)."""
+    if not 1 <= tokens <= MAX_TOKENS:
+        raise ValueError(f"the MoE kernels take 1-{MAX_TOKENS} tokens, got {tokens}")
+    block_t = max(16, triton.next_power_of_2(tokens))
+    if device.type == "cpu":  # the interpreter pays per program and per operation: few, large programs
+        plan = MoePlan(block_t, 64, 2, 64, 16, 64, 64, 128, 4, 1, 256)
+    else:
+        k_split = max(64, hidden // 16)
+        plan = MoePlan(block_t, 32, -(-hidden // k_split), 64, 16, 64, 64, 128, 4, 4, 1024)
+    plan = MoePlan(**{**plan.__dict__, **overrides})
+    if plan.block_m > block_t:
+        plan = MoePlan(**{**plan.__dict__, "block_m": block_t})
+    return plan
+
+
+@dataclass
+class Routing:
+    """A step's routing, on the device: ids / weights `[T, top_k]` (padded tokens -1 / 0), the slots
+    (expert, first row, row count; the shared expert's expert -1), the rows (pair indices, see
+    `routing.py`) and the number of slots in use."""
+
+    ids: torch.Tensor
+    weights: torch.Tensor
+    slot_expert: torch.Tensor
+    slot_start: torch.Tensor
+    slot_count: torch.Tensor
+    rows: torch.Tensor
+    n_slots: torch.Tensor
+
+    @property
+    def max_slots(self) -> int:
+        return self.slot_expert.shape[0]
+
+
+def route(x: torch.Tensor, w: ExpertWeights, top_k: int, scale: float, norm: bool, eps: float, plan: MoePlan,
+          slots: torch.Tensor | None = None) -> Routing:
+    """Router logits and routing of `x` [T, D], T <= 64, in two launches (rows with `slots` < 0 are padding)."""
+    t, d = x.shape
+    e = w.router.shape[0]
+    if x.stride(1) != 1:
+        raise ValueError("MoE input rows must be contiguous")
+    dev = x.device
+    k_split = triton.cdiv(triton.cdiv(d, plan.router_split), plan.router_block_k) * plan.router_block_k
+    split = triton.cdiv(d, k_split)
+    part = torch.empty(split, t, e, dtype=torch.float32, device=dev)
+    router_logits_kernel[(triton.cdiv(e, plan.router_block_e), split)](
+        x, w.router, part, t, e, d, x.stride(0), k_split,
+        BLOCK_T=plan.block_t, BLOCK_E=plan.router_block_e, BLOCK_K=plan.router_block_k)
+    i32 = dict(dtype=torch.int32, device=dev)
+    max_slots = triton.cdiv(t, plan.block_m) + min(t * top_k, e)
+    r = Routing(torch.empty(t, top_k, **i32), torch.empty(t, top_k, dtype=torch.float32, device=dev),
+                torch.empty(max_slots, **i32), torch.empty(max_slots, **i32), torch.empty(max_slots, **i32),
+                torch.empty(t * top_k + t, **i32), torch.empty(1, **i32))
+    route_kernel[(1,)](
+        part, w.bias, slots if slots is not None else r.ids, r.ids, r.weights, r.slot_expert, r.slot_start,
+        r.slot_count, r.rows, r.n_slots, t, e, split, float(scale), float(eps),
+        TOP_K=top_k, TOP_K_PAD=triton.next_power_of_2(top_k), NORM=norm, HAS_SLOTS=slots is not None,
+        BLOCK_T=plan.block_t, BLOCK_E=triton.next_power_of_2(e + 1), BLOCK_M=plan.block_m)
+    return r
+
+
+def group_rows(ids: torch.Tensor, weights: torch.Tensor, num_experts: int, block_m: int) -> Routing:
+    """The routing of chosen experts `ids` [T, k] (weights [T, k] fp32) for any T, in PyTorch: every row
+    tile of at most `block_m` rows of one expert (the shared expert's first) its own slot, so programs never
+    loop. Reads its tile count back to the host: for eager steps (prefill), not for captured ones."""
+    t, k = ids.shape
+    dev = ids.device
+    flat = ids.reshape(-1)
+    counts = torch.cat([torch.tensor([t], device=dev),
+                        torch.zeros(num_experts, dtype=torch.int64, device=dev).index_add_(
+                            0, flat, torch.ones_like(flat))])
+    first = torch.cumsum(counts, 0) - counts
+    tiles = (counts + block_m - 1) // block_m
+    slot_of = torch.repeat_interleave(torch.arange(num_experts + 1, device=dev), tiles)  # host sync: tile count
+    within = torch.arange(slot_of.numel(), device=dev) - (torch.cumsum(tiles, 0) - tiles)[slot_of]
+    start = first[slot_of] + within * block_m
+    count = torch.minimum(counts[slot_of] - within * block_m, torch.full_like(start, block_m))
+    rows = torch.cat([t * k + torch.arange(t, device=dev), torch.argsort(flat, stable=True)])
+    i32 = dict(dtype=torch.int32)
+    return Routing(ids.to(**i32), weights.float(), (slot_of - 1).to(**i32), start.to(**i32), count.to(**i32),
+                   rows.to(**i32), torch.tensor([slot_of.numel()], dtype=torch.int32, device=dev))
+
+
+def experts_forward(x: torch.Tensor, w: ExpertWeights, r: Routing, limit: float, plan: MoePlan,
+                    slots: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The grouped experts of routing `r` over `x` [T, D] and the combine: [T, D] in x's dtype (0 for
+    padded tokens, `slots` < 0)."""
+    t, d = x.shape
+    top_k = r.ids.shape[1]
+    n_inter = w.gate.shape[1]
+    dev = x.device
+    f32 = x.dtype == torch.float32 or dev.type == "cpu"
+    if plan.w8a8 and (not w.scaled or plan.block_k != 128):
+        raise ValueError("w8a8 products need FP8 block-scaled weights and BLOCK_K 128")
+    offs = w.shared_offsets()
+    pairs = t * top_k + t
+    h = torch.empty(pairs, n_inter, dtype=x.dtype, device=dev)
+    gate_up_kernel[(r.max_slots, triton.cdiv(n_inter, plan.gate_up_block_n))](
+        x, w.gate, w.up, w.gate_scale, w.up_scale, h, r.slot_expert, r.slot_start, r.slot_count, r.rows,
+        r.n_slots, offs[0], offs[1], offs[3], offs[4], t, n_inter, d, x.stride(0), float(limit),
+        TOP_K=top_k, HAS_SCALE=w.scaled, F32=f32, W8A8=plan.w8a8, BLOCK_M=plan.block_m, BLOCK_N=plan.gate_up_block_n,
+        BLOCK_K=plan.block_k, num_warps=plan.num_warps, num_stages=plan.num_stages)
+    y = torch.empty(pairs, d, dtype=torch.float32, device=dev)
+    down_kernel[(r.max_slots, triton.cdiv(d, plan.down_block_n))](
+        h, w.down, w.down_scale, r.weights, y, r.slot_expert, r.slot_start, r.slot_count, r.rows, r.n_slots,
+        offs[2], offs[5], t, d, n_inter,
+        TOP_K=top_k, HAS_SCALE=w.scaled, F32=f32, W8A8=plan.w8a8, BLOCK_M=plan.block_m, BLOCK_N=plan.down_block_n,
+        BLOCK_K=plan.block_k, num_warps=plan.num_warps, num_stages=plan.num_stages)
+    if out is None:
+        out = torch.empty(t, d, dtype=x.dtype, device=dev)
+    combine_kernel[(t, triton.cdiv(d, plan.combine_block_n))](
+        y, slots if slots is not None else y, out, t, d, out.stride(0),
+        TOP_K=top_k, HAS_SLOTS=slots is not None, BLOCK_N=plan.combine_block_n)
+    return out
+
+
+def moe_forward(x: torch.Tensor, w: ExpertWeights, top_k: int, scale: float, norm: bool, eps: float, limit: float,
+                plan: MoePlan, slots: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The MoE output [T, D] in x's dtype of `x` [T, D], T <= 64, in five launches: per token, its routed
+    experts weighted plus the shared expert, summed in fp32 in a fixed order; 0 for padded tokens
+    (`slots` < 0)."""
+    return experts_forward(x, w, route(x, w, top_k, scale, norm, eps, plan, slots), limit, plan, slots, out)
+
+
+PREFILL_CHUNK = 4096
+"""Tokens one prefill call runs the experts over at a time (bounds the fp32 per-pair outputs: 9 x 16 KB a token)."""
+
+
+def moe_prefill(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertWeights, limit: float,
+                plan: MoePlan | None = None) -> torch.Tensor:
+    """The routed and shared experts over `x` [T, D] (any T) for the router's choice `ids` / `weights`
+    [T, k]: [T, D] in x's dtype, each token's experts summed in fp32 in a fixed order (eager only)."""
+    if plan is None:
+        plan = prefill_plan(x.device)
+    out = torch.empty_like(x)
+    for a in range(0, x.shape[0], PREFILL_CHUNK):
+        b = min(x.shape[0], a + PREFILL_CHUNK)
+        r = group_rows(ids[a:b], weights[a:b], w.gate.shape[0], plan.block_m)
+        experts_forward(x[a:b], w, r, limit, plan, out=out[a:b])
+    return out
+
+
+def prefill_plan(device: torch.device) -> MoePlan:
+    """The launch plan of prefill chunks: row tiles of 64 on the tensor cores."""
+    if device.type == "cpu":
+        return plan_moe(MAX_TOKENS, 0, device)
+    return MoePlan(MAX_TOKENS, 32, 1, 64, 64, 64, 128, 128, 8, 3, 1024)

@@ -1,0 +1,170 @@
+"""Triton kernels of the grouped experts: gate|up with the clamped SwiGLU, down with the routing
+weight, and the per-token combine.
+
+A program owns one slot (an expert: the shared one at slot 0, then the routed experts the step
+touches, see `routing.py`) and one BLOCK_N slice of its output columns; it loops over its slot's rows
+in blocks of BLOCK_M and, for each, streams its weight slice once along K. Programs past the step's
+slot count exit at once, so the grid can be sized for the most slots a step can touch and stay
+static under CUDA graphs.
+
+The routed experts' weights are stacked `[E, N, K]`; the shared expert's are separate tensors of one
+expert's shape. The kernels address both from the stacked base: the shared expert's weights sit at a
+fixed element offset from it (`shared_off`, which may be negative), so one pointer argument serves both.
+
+FP8 weights (e4m3 with fp32 128x128 block scales) are widened exactly in registers; each BLOCK_K
+chunk's product is scaled by its one block scale (BLOCK_N divides 128 and BLOCK_K divides 128, and
+tiles start on multiples of themselves, so a chunk never straddles two scale blocks). 16-bit
+activations meet 16-bit widened weights on the tensor cores with fp32 accumulation; fp32 activations
+(and the interpreter, whose bf16 products are wrong) multiply in fp32 ("ieee"). W8A8 (FP8 weights only,
+BLOCK_K 128): each row's 128-channel chunk of activations is quantised to e4m3 with its own scale on the
+fly and meets the raw FP8 weights on the FP8 tensor cores, skipping the widening.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _offset(e, per_expert, shared_off):
+    """Element offset from a stacked base of expert e's block (`per_expert` elements each), or of the
+    shared expert's (e < 0)."""
+    return tl.where(e < 0, shared_off, e.to(tl.int64) * per_expert)
+
+
+@triton.jit
+def _product(x, w, scale, F32: tl.constexpr, W8A8: tl.constexpr):
+    """x [BM, BK] times the weight tile w [BN, BK] (transposed), scaled: [BM, BN] fp32. W8A8: x is already
+    e4m3 and `scale` [BM, 1] carries its row scales too."""
+    if W8A8:
+        acc = tl.dot(x, tl.trans(w))
+    elif F32:
+        acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+    else:
+        acc = tl.dot(x, tl.trans(w.to(x.dtype)))
+    return acc * scale
+
+
+@triton.jit
+def _quantize_rows(x, W8A8: tl.constexpr):
+    """x [BM, BK] as e4m3 with one scale per row (its largest magnitude maps to 448), and the scales [BM, 1];
+    without W8A8, x itself and ones."""
+    if W8A8:
+        xf = x.to(tl.float32)
+        sx = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-30)[:, None] / 448.0
+        return (xf / sx).to(tl.float8e4nv), sx
+    return x, 1.0
+
+
+@triton.jit
+def gate_up_kernel(x_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr,
+                   slot_expert_ptr, slot_start_ptr, slot_count_ptr, rows_ptr, n_slots_ptr,
+                   shared_wg, shared_wu, shared_sg, shared_su,
+                   T, N, K, stride_x, limit,
+                   TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, F32: tl.constexpr, W8A8: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """h[p, n] = silu(min(g, limit)) * clamp(u, -limit, limit) for the slot's rows p, where
+    g = x[token(p)] @ Wg[e].T and u likewise; the token of row p is p // TOP_K for routed pairs and
+    p - T * TOP_K for the shared expert's rows."""
+    slot = tl.program_id(0)
+    if slot >= tl.load(n_slots_ptr):
+        return
+    pid_n = tl.program_id(1)
+    ks = tl.cdiv(K, 128)
+    e = tl.load(slot_expert_ptr + slot)
+    start = tl.load(slot_start_ptr + slot)
+    count = tl.load(slot_count_ptr + slot)
+    wg_off = _offset(e, N * K, shared_wg)
+    wu_off = _offset(e, N * K, shared_wu)
+    sg_off = _offset(e, tl.cdiv(N, 128) * ks, shared_sg)
+    su_off = _offset(e, tl.cdiv(N, 128) * ks, shared_su)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    s_row = (pid_n * BLOCK_N // 128) * ks
+    for m0 in range(0, count, BLOCK_M):
+        r = m0 + tl.arange(0, BLOCK_M)
+        rmask = r < count
+        p = tl.load(rows_ptr + start + r, mask=rmask, other=0)
+        tok = tl.where(p >= T * TOP_K, p - T * TOP_K, p // TOP_K)
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            kmask = k < K
+            x = tl.load(x_ptr + tok[:, None] * stride_x + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+            wmask = nmask[:, None] & kmask[None, :]
+            wg = tl.load(wg_ptr + wg_off + n[:, None] * K + k[None, :], mask=wmask, other=0.0)
+            wu = tl.load(wu_ptr + wu_off + n[:, None] * K + k[None, :], mask=wmask, other=0.0)
+            if HAS_SCALE:
+                sg = tl.load(sg_ptr + sg_off + s_row + k0 // 128)
+                su = tl.load(su_ptr + su_off + s_row + k0 // 128)
+            else:
+                sg = 1.0
+                su = 1.0
+            xq, sx = _quantize_rows(x, W8A8)
+            acc_g += _product(xq, wg, sx * sg, F32, W8A8)
+            acc_u += _product(xq, wu, sx * su, F32, W8A8)
+        g = tl.minimum(acc_g, limit)
+        u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+        h = g * tl.sigmoid(g) * u
+        tl.store(h_ptr + p[:, None] * N + n[None, :], h.to(h_ptr.dtype.element_ty),
+                 mask=rmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def down_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, y_ptr,
+                slot_expert_ptr, slot_start_ptr, slot_count_ptr, rows_ptr, n_slots_ptr,
+                shared_w, shared_s, T, N, K,
+                TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, F32: tl.constexpr, W8A8: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y[p, n] = weight(p) * (h[p] @ Wd[e].T)[n] in fp32 for the slot's rows p (weight 1 for the
+    shared expert's rows, the routing weight of pair p otherwise)."""
+    slot = tl.program_id(0)
+    if slot >= tl.load(n_slots_ptr):
+        return
+    pid_n = tl.program_id(1)
+    ks = tl.cdiv(K, 128)
+    e = tl.load(slot_expert_ptr + slot)
+    start = tl.load(slot_start_ptr + slot)
+    count = tl.load(slot_count_ptr + slot)
+    w_off = _offset(e, N * K, shared_w)
+    s_off = _offset(e, tl.cdiv(N, 128) * ks, shared_s)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    s_row = (pid_n * BLOCK_N // 128) * ks
+    for m0 in range(0, count, BLOCK_M):
+        r = m0 + tl.arange(0, BLOCK_M)
+        rmask = r < count
+        p = tl.load(rows_ptr + start + r, mask=rmask, other=0)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            kmask = k < K
+            h = tl.load(h_ptr + p[:, None] * K + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+            w = tl.load(w_ptr + w_off + n[:, None] * K + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+            if HAS_SCALE:
+                s = tl.load(s_ptr + s_off + s_row + k0 // 128)
+            else:
+                s = 1.0
+            hq, sh = _quantize_rows(h, W8A8)
+            acc += _product(hq, w, sh * s, F32, W8A8)
+        routed = p < T * TOP_K
+        wt = tl.load(weights_ptr + p, mask=rmask & routed, other=1.0)
+        tl.store(y_ptr + p[:, None] * N + n[None, :], acc * wt[:, None], mask=rmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def combine_kernel(y_ptr, slots_ptr, out_ptr, T, N, stride_out,
+                   TOP_K: tl.constexpr, HAS_SLOTS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[t] = sum_k y[t * TOP_K + k] (k ascending) + y[T * TOP_K + t], or 0 for a padded token."""
+    t = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        acc += tl.load(y_ptr + (t * TOP_K + k) * N + n, mask=nmask, other=0.0)
+    acc += tl.load(y_ptr + (T * TOP_K + t) * N + n, mask=nmask, other=0.0)
+    if HAS_SLOTS:
+        acc = tl.where(tl.load(slots_ptr + t) >= 0, acc, 0.0)
+    tl.store(out_ptr + t * stride_out + n, acc.to(out_ptr.dtype.element_ty), mask=nmask)

@@ -1,0 +1,189 @@
+"""The MoE kernels against their fp32 reference and the stock module: routing (tie rule, grouping,
+padded tokens), the whole layer at odd sizes with NaN-filled outputs, the stage inside the executor.
+CPU cases run the Triton interpreter in fp32; GPU cases (marked `gpu`) run real shapes in bf16 and
+replay a captured graph."""
+
+import pytest
+import torch
+
+from glm5next.config import ROUTER_NORM_EPS
+from glm5next.kernels.moe import (ExpertWeights, experts_forward, group_rows, moe_forward, moe_reference, plan_moe,
+                                  route, route_reference)
+from glm5next.specialized_decode.moe import MoeStage
+
+FP8 = torch.float8_e4m3fn
+CUDA = torch.cuda.is_available()
+
+
+def random_weights(e, d, i, device="cpu", fp8=True, seed=0) -> ExpertWeights:
+    """Random experts of one MoE layer (the shared expert allocated apart from the routed ones)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape):
+        t = torch.randn(*shape, generator=g) * (0.5 if fp8 else 0.05)
+        return t.to(FP8 if fp8 else torch.float32).to(device)
+
+    def s(*shape):
+        return (torch.rand(*shape, generator=g) * 0.02 + 0.005).to(device) if fp8 else None
+
+    bd, bi = -(-d // 128), -(-i // 128)
+    return ExpertWeights(
+        (torch.randn(e, d, generator=g) / d**0.5).to(device), (torch.randn(e, generator=g) * 0.1).to(device),
+        w(e, i, d), s(e, bi, bd), w(e, i, d), s(e, bi, bd), w(e, d, i), s(e, bd, bi),
+        w(i, d), s(bi, bd), w(i, d), s(bi, bd), w(d, i), s(bd, bi))
+
+
+def rel(got, want):
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30))
+
+
+def check_grouping(r, ids, slots=None):
+    """The shared expert's slots hold the valid tokens in order; then one slot per touched expert,
+    ascending, with exactly the pairs routed to it (token order); padded tokens own no row."""
+    t, k = ids.shape
+    valid = [i for i in range(t) if slots is None or slots[i] >= 0]
+    n = int(r.n_slots)
+    experts, start, count = r.slot_expert[:n].tolist(), r.slot_start[:n].tolist(), r.slot_count[:n].tolist()
+    rows = r.rows.tolist()
+    shared = [s for s in range(n) if experts[s] == -1]
+    assert shared == list(range(len(shared)))
+    assert [p for s in shared for p in rows[start[s]:start[s] + count[s]]] == [t * k + i for i in valid]
+    routed = experts[len(shared):]
+    assert routed == sorted({int(e) for e in ids[valid].flatten()})
+    for s, e in enumerate(routed, len(shared)):
+        assert rows[start[s]:start[s] + count[s]] == [i * k + j for i in valid for j in range(k) if ids[i, j] == e]
+    assert sum(count) == len(valid) * (k + 1)
+
+
+SHAPES = {"odd": (13, 192, 80, 3), "tiny": (16, 128, 64, 4)}
+
+
+@pytest.mark.parametrize("shape,tokens", [(s, t) for s in SHAPES for t in (1, 5, 16)] + [("odd", 40)])
+def test_moe_layer_equals_reference(shape, tokens):
+    """40 tokens: the shared expert's rows span three slots of 16."""
+    e, d, i, k = SHAPES[shape]
+    w = random_weights(e, d, i, seed=tokens)
+    x = torch.randn(tokens, d, generator=torch.Generator().manual_seed(tokens))
+    slots = torch.arange(tokens)
+    if tokens > 1:
+        slots[tokens // 2] = -1  # a padded row in the middle: it routes nowhere and outputs 0
+    plan = plan_moe(tokens, d, x.device)
+    out = torch.full((tokens, d), float("nan"))
+    moe_forward(x, w, k, 2.5, True, ROUTER_NORM_EPS, 10.0, plan, slots, out=out)
+    want = moe_reference(x, w, k, 2.5, True, ROUTER_NORM_EPS, 10.0, slots)
+    assert rel(out, want) < 1e-4
+    assert torch.all(out[slots < 0] == 0)
+    r = route(x, w, k, 2.5, True, ROUTER_NORM_EPS, plan, slots)
+    ids, weights = route_reference(x, w.router, w.bias, k, 2.5, True, ROUTER_NORM_EPS, slots)
+    assert torch.equal(r.ids.long(), ids)
+    assert rel(r.weights, weights) < 1e-5
+    check_grouping(r, ids, slots)
+
+
+def test_grouping_check_fails_on_a_wrong_grouping():
+    e, d, i, k = SHAPES["odd"]
+    w = random_weights(e, d, i)
+    x = torch.randn(6, d, generator=torch.Generator().manual_seed(3))
+    r = route(x, w, k, 2.5, True, ROUTER_NORM_EPS, plan_moe(6, d, x.device))
+    ids = r.ids.long()
+    check_grouping(r, ids)
+    n = int(r.n_slots)
+    r.rows[r.slot_start[n - 1]] += 1  # one pair filed under the wrong expert (or token)
+    with pytest.raises(AssertionError):
+        check_grouping(r, ids)
+
+
+def test_ties_go_to_the_lower_expert_index_in_kernel_reference_and_stock(tiny_fp32):
+    """Experts with equal selection scores: the lower index is chosen first, by the kernel, its
+    reference and the stock router alike."""
+    moe = tiny_fp32.layers[4].mlp
+    w = ExpertWeights.of(moe)
+    router = w.router.clone()
+    router[[3, 9, 12]] = router[5].clone()  # experts 3, 5, 9, 12 score alike on every input
+    bias = torch.zeros_like(w.bias)
+    bias[[3, 5, 9, 12]] = 10.0  # and lead the selection: top-4 of 4 tied, top-2 must take 3 and 5
+    tied = ExpertWeights(router, bias, *[getattr(w, f) for f in list(w.__dataclass_fields__)[2:]])
+    x = torch.randn(5, router.shape[1], generator=torch.Generator().manual_seed(4))
+    for k in (2, 3):
+        r = route(x, tied, k, 2.5, True, ROUTER_NORM_EPS, plan_moe(5, router.shape[1], x.device))
+        ids, _ = route_reference(x, router, bias, k, 2.5, True, ROUTER_NORM_EPS)
+        assert r.ids.tolist() == [[3, 5, 9][:k]] * 5
+        assert ids.tolist() == [[3, 5, 9][:k]] * 5
+    gate = moe.gate
+    saved = gate.weight.data.clone(), gate.e_score_correction_bias.data.clone()
+    try:
+        gate.weight.data.copy_(router)
+        gate.e_score_correction_bias.data.copy_(bias)
+        assert gate(x)[0].tolist() == [[3, 5, 9, 12]] * 5  # stock, top-4
+    finally:
+        gate.weight.data.copy_(saved[0])
+        gate.e_score_correction_bias.data.copy_(saved[1])
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_prefill_grouping_runs_any_token_count(block_m):
+    """The PyTorch grouping of prefill chunks (a slot per row tile) gives the same output as the reference,
+    also where an expert's rows span several tiles."""
+    e, d, i, k = SHAPES["odd"]
+    w = random_weights(e, d, i, seed=9)
+    x = torch.randn(70, d, generator=torch.Generator().manual_seed(9))
+    ids, weights = route_reference(x, w.router, w.bias, k, 2.5, True, ROUTER_NORM_EPS)
+    plan = plan_moe(64, d, x.device, block_m=block_m)
+    r = group_rows(ids, weights, e, plan.block_m)
+    assert int(r.slot_count[: int(r.n_slots)].max()) <= plan.block_m
+    out = torch.full((70, d), float("nan"))
+    experts_forward(x, w, r, 10.0, plan, out=out)
+    assert rel(out, moe_reference(x, w, k, 2.5, True, ROUTER_NORM_EPS, 10.0)) < 1e-4
+
+
+def test_stage_equals_stock_moe(tiny_fp32):
+    for idx in (3, 6):
+        moe = tiny_fp32.layers[idx].mlp
+        assert MoeStage.supports(moe)
+        x = torch.randn(7, tiny_fp32.config.hidden_size, generator=torch.Generator().manual_seed(idx))
+        assert rel(MoeStage(moe)(x), moe(x)) < 1e-4
+
+
+def test_stage_refuses_unshared_storage(tiny_fp32):
+    """A shared expert in another storage type than the routed ones is not the stage's."""
+    import copy
+
+    moe = copy.deepcopy(tiny_fp32.layers[3].mlp)
+    moe.shared_experts.gate_proj.weight_scale_inv = None
+    assert not MoeStage.supports(moe)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+@pytest.mark.parametrize("tokens", [1, 7, 64])
+def test_real_shapes_bf16_against_fp32_reference(tokens):
+    w = random_weights(288, 4096, 2048, device="cuda", seed=tokens)
+    x = torch.randn(tokens, 4096, device="cuda").to(torch.bfloat16)
+    slots = torch.arange(tokens, device="cuda")
+    plan = plan_moe(tokens, 4096, x.device)
+    out = torch.full((tokens, 4096), float("nan"), dtype=torch.bfloat16, device="cuda")
+    moe_forward(x, w, 8, 2.5, True, ROUTER_NORM_EPS, 10.0, plan, slots, out=out)
+    want = moe_reference(x.float(), w, 8, 2.5, True, ROUTER_NORM_EPS, 10.0, slots)
+    assert rel(out, want) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+def test_graph_replay_reroutes_new_inputs():
+    """A captured layer replayed on new inputs routes them afresh (no routing baked into the graph)."""
+    tokens = 16
+    w = random_weights(288, 4096, 2048, device="cuda", seed=5)
+    plan = plan_moe(tokens, 4096, torch.device("cuda"))
+    x = torch.randn(tokens, 4096, device="cuda").to(torch.bfloat16)
+    slots = torch.arange(tokens, device="cuda")
+    out = torch.empty(tokens, 4096, dtype=torch.bfloat16, device="cuda")
+    moe_forward(x, w, 8, 2.5, True, ROUTER_NORM_EPS, 10.0, plan, slots, out=out)  # compiles
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        moe_forward(x, w, 8, 2.5, True, ROUTER_NORM_EPS, 10.0, plan, slots, out=out)
+    for seed in range(3):
+        x.copy_(torch.randn(tokens, 4096, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)))
+        slots[-1] = -1 if seed == 2 else tokens - 1
+        graph.replay()
+        eager = moe_forward(x, w, 8, 2.5, True, ROUTER_NORM_EPS, 10.0, plan, slots)
+        assert torch.equal(out, eager)
