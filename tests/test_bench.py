@@ -340,7 +340,7 @@ def test_read_probe_sums_its_tiles(tma, widen):
     weight, as raw bytes or as widened e4m3 values, through thread loads or tensor descriptors."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from glm5next.bench.sweep import _read_probe
+    from benchmarks.sweep import _read_probe
 
     n, k, bn, bk, split = 64, 512, 32, 128, 2
     g = torch.Generator().manual_seed(3)
@@ -358,7 +358,7 @@ def test_read_probe_sums_its_tiles(tma, widen):
 def test_boundary_sweep_sets_each_tiling_during_its_launches(monkeypatch):
     """The boundary tiling sweep: each warp count, block sizes above T skipped, and the warp count in force
     while its tiling launches and restored afterwards."""
-    import glm5next.bench.sweep as sweep
+    import benchmarks.sweep as sweep
 
     seen = []
     monkeypatch.setattr(sweep, "_time", lambda fn, calls, replays: fn() or 1.0)
@@ -375,7 +375,7 @@ def test_boundary_sweep_sets_each_tiling_during_its_launches(monkeypatch):
 def test_boundary_sweep_times_deferral_when_asked(monkeypatch):
     """`deferred` (True, False): each tiling once as it is and once taking and leaving its comb
     pending; the default times only the plain launch."""
-    import glm5next.bench.sweep as sweep
+    import benchmarks.sweep as sweep
 
     seen = []
     monkeypatch.setattr(sweep, "_time", lambda fn, calls, replays: fn() or 1.0)
@@ -394,7 +394,7 @@ def test_boundary_sweep_times_deferral_when_asked(monkeypatch):
 def test_linear_sweep_hands_the_x16_variant_an_fp16_copy(monkeypatch):
     """"x16": the entry point gets x in fp16 (made once per row count, outside the timed calls); the
     other variants get their keywords unchanged; BF16 cases skip the x16 variant."""
-    import glm5next.bench.sweep as sweep
+    import benchmarks.sweep as sweep
 
     seen = []
     monkeypatch.setattr(sweep, "_time", lambda fn, calls, replays: fn() or 1.0)
@@ -419,7 +419,7 @@ def test_linear_sweep_hands_the_x16_variant_an_fp16_copy(monkeypatch):
 def test_linear_sweep_resident_calls_one_instance(monkeypatch):
     """`resident`: every call of a case's graph uses the same weights (which then stay in L2), as many
     calls as the rotated run makes over its distinct instances; rows say which they were."""
-    import glm5next.bench.sweep as sweep
+    import benchmarks.sweep as sweep
 
     made, seen = [], []
     monkeypatch.setattr(sweep, "_time", lambda fn, calls, replays: fn() or 1.0)
@@ -463,14 +463,14 @@ def test_tune_merge_keeps_the_sizes_not_measured():
 def _load_bench_script(name):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "bench", f"{name}.py"))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
 def test_triton_cache_round_trip_keeps_what_a_hit_reads(tmp_path):
-    """bench/triton_cache.py: pack keeps each complete kernel entry's binary, metadata and group (no IR,
+    """benchmarks/triton_cache.py: pack keeps each complete kernel entry's binary, metadata and group (no IR,
     no interrupted compile), and launchers; unpack points the groups at the files' new place; an archive
     over the size cap keeps the newest entries."""
     tc = _load_bench_script("triton_cache")
@@ -544,7 +544,7 @@ def test_sweep_launch_targets_take_the_default_launch_of_groups_and_fp8_weights(
     groups and of every FP8 case against 85 %; other variants, resident timings, BF16 singles and boundary rows
     are not targets."""
     from glm5next.bench.specialized import format_targets
-    from glm5next.bench.sweep import launch_targets
+    from benchmarks.sweep import launch_targets
 
     rows = [dict(case="dsa_group", m=1, variant="heuristic", bw_fraction=0.25, resident=False),
             dict(case="kda_group", m=1, variant="heuristic", bw_fraction=0.9, resident=False),

@@ -139,7 +139,7 @@ STAGE_TARGETS = (
 )
 """The issue's H200 targets that a stage row measures: each its own launches in the graph of a step, against
 the bandwidth measured in the same process. (The launch-level ones, a single FP8 projection or one
-sublayer's projections in one launch at >= 85 %, are the sweep's: `glm5next.bench.sweep`.)"""
+sublayer's projections in one launch at >= 85 %, are the sweep's: `benchmarks/sweep.py`.)"""
 
 
 def stage_targets(steps: list[dict]) -> list[dict]:

@@ -1,6 +1,6 @@
 """Launch-variant sweep of the skinny projections and the fused boundary at the slice's real shapes.
 
-`python -m glm5next.bench.sweep --out sweep.json` times every variant in `VARIANTS` (keyword
+`python -m benchmarks.sweep --out sweep.json` times every variant in `VARIANTS` (keyword
 overrides of the skinny entry points) on each FP8 projection shape of a DSA layer, the dense MLP
 and the shared expert, and the boundary's (block_t, chunk) tilings, each through CUDA-graph replays
 over weight copies that together exceed the L2 four times. It informs `plan_launch`'s and the
@@ -19,14 +19,14 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..checkpoint.fp8 import quantize_fp8_blocks
-from ..config import MHC_POST_MULT
-from ..kernels import boundary as boundary_kernels
-from ..kernels.boundary import mhc_boundary, mhc_last
-from ..kernels.linear import gate_up_swiglu, skinny_linear, skinny_linear_multi
-from ..kernels.linear import kernel as linear_kernel
-from .floor import capture, measure_read_bandwidth, time_replays
-from .stages import ROTATE_BYTES
+from glm5next.checkpoint.fp8 import quantize_fp8_blocks
+from glm5next.config import MHC_POST_MULT
+from glm5next.kernels import boundary as boundary_kernels
+from glm5next.kernels.boundary import mhc_boundary, mhc_last
+from glm5next.kernels.linear import gate_up_swiglu, skinny_linear, skinny_linear_multi
+from glm5next.kernels.linear import kernel as linear_kernel
+from glm5next.bench.floor import capture, measure_read_bandwidth, time_replays
+from glm5next.bench.stages import ROTATE_BYTES
 
 VARIANTS = {
     "heuristic": {},
@@ -395,7 +395,7 @@ def main(argv=None) -> None:
                              a.resident)
     targets = launch_targets(rows)
     if targets:
-        from .specialized import format_targets
+        from glm5next.bench.specialized import format_targets
 
         print("\n".join(format_targets(targets, key="at")), flush=True)
     if a.out:
