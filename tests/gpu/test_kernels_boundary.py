@@ -16,6 +16,7 @@ from glm5next.kernels.boundary import mhc_boundary, mhc_first, mhc_last
 from glm5next.kernels.boundary import reference as ref
 
 pytestmark = [
+    pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
     pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs TRITON_INTERPRET=0"),
 ]

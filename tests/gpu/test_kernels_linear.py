@@ -10,7 +10,7 @@ from glm5next.kernels.linear import (
     skinny_linear_multi, tile_counters,
 )
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64]
 HIDDEN = 4096

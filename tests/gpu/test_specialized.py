@@ -14,7 +14,7 @@ from glm5next.runtime.cache import ModelCache
 from glm5next.runtime.runner import DEFAULT_CAPTURE_SIZES, Runner, Sequence
 from glm5next.specialized_decode import STAGES, Policy, SpecializedDecode
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 def full_policy(choice_index=0):
