@@ -206,7 +206,8 @@ def _stage_rows(model, m: int, policy: Policy, bandwidth: float) -> list[dict]:
 
 
 def tune_policy(model, sizes, replays: int = 20) -> tuple[Policy, dict]:
-    """Time every choice (stock included) of every stage at every size; the fastest wins."""
+    """Time every choice (stock included) of every stage at every size; the fastest wins, named by the first
+    choice whose launches equal its own (`merge_equal_choices`)."""
     tables, times = {}, {}
     for m in sizes:
         for case in stage_cases(model, m):
@@ -222,4 +223,10 @@ def tune_policy(model, sizes, replays: int = 20) -> tuple[Policy, dict]:
             times.setdefault(case.stage, {})[str(m)] = measured
             log(f"M={m} {case.stage:14s} -> {best:8s} " + "  ".join(f"{c} {t:.1f} us" for c, t in measured.items())
                 + _subtracted(case))
+    from ..specialized_decode.describe import merge_equal_choices
+
+    # Choices whose launches are equal at a size are one: the first of them (in `STAGES` order) is kept,
+    # so timing noise between equal launches never becomes a choice.
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    tables = merge_equal_choices(tables, model.config, sms)
     return Policy(tables, source="tuned"), times
