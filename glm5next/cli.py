@@ -114,6 +114,28 @@ def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     add_engine_args(p)
 
 
+def cmd_describe_plan(args) -> int:
+    from .config import Glm5NextConfig
+    from .specialized_decode.describe import describe, format_rows
+    from .specialized_decode.policy import Policy
+
+    if args.model:
+        config = Glm5NextConfig.from_file(args.model)
+    else:
+        from .bench.slice import GLM53_FLASH_TEXT
+
+        config = Glm5NextConfig.from_dict(dict(GLM53_FLASH_TEXT))
+    policy = Policy.from_file(args.policy) if args.policy else Policy.for_gpu("NVIDIA H200")
+    try:
+        tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"--tokens={args.tokens!r}: give integers separated by commas")
+    print(f"# {policy.source} on {'the model at ' + args.model if args.model else 'GLM-5.3-Flash shapes'}, "
+          f"{args.sms} SMs, bf16")
+    print("\n".join(format_rows(describe(config, policy, tokens, args.sms))))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="glm5next", description="GLM-5.3-Flash decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -132,6 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-mtp", action="store_true")
     p.set_defaults(func=cmd_make_tiny)
+    p = sub.add_parser("describe-plan", help="print each stage's chosen variant and launch parameters (no GPU)")
+    p.add_argument("--tokens", default="1,8,64", help="token counts, e.g. 1,8,64")
+    p.add_argument("--policy", default=None, help="a policy JSON (default: the shipped H200 policy)")
+    p.add_argument("--model", default=None, help="a checkpoint folder or config.json (default: GLM-5.3-Flash shapes)")
+    p.add_argument("--sms", type=int, default=132, help="SMs of the GPU the plans fill (default: 132, H100/H200)")
+    p.set_defaults(func=cmd_describe_plan)
     from .bench.cli import add_bench_parser, add_tune_parser
     from .server.cli import add_serve_parser
 

@@ -268,6 +268,7 @@ def test_no_host_sync_check_can_fail(no_host_sync):
         torch.ones(3).sum().item()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
 @pytest.mark.filterwarnings("ignore:Synchronization debug mode")
 def test_cuda_graph_replay_equals_eager():

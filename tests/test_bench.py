@@ -340,7 +340,7 @@ def test_read_probe_sums_its_tiles(tma, widen):
     weight, as raw bytes or as widened e4m3 values, through thread loads or tensor descriptors."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from glm5next.bench.sweep import _read_probe
+    from benchmarks.sweep import _read_probe
 
     n, k, bn, bk, split = 64, 512, 32, 128, 2
     g = torch.Generator().manual_seed(3)
@@ -356,51 +356,26 @@ def test_read_probe_sums_its_tiles(tma, widen):
 
 
 def test_boundary_sweep_sets_each_tiling_during_its_launches(monkeypatch):
-    """The boundary tiling sweep: both finishers for blocks of several tokens (one for single-token
-    blocks), each warp count, block sizes above T skipped, and each module setting in force while its
-    tiling launches and restored afterwards."""
-    import glm5next.bench.sweep as sweep
+    """The boundary tiling sweep: each warp count, block sizes above T skipped, and the warp count in force
+    while its tiling launches and restored afterwards."""
+    import benchmarks.sweep as sweep
 
     seen = []
     monkeypatch.setattr(sweep, "_time", lambda fn, calls, replays: fn() or 1.0)
     monkeypatch.setattr(sweep, "boundary_mixer", lambda device: (None, None, None))
     monkeypatch.setattr(sweep, "boundary_state", lambda T, device: (None,) * 4)
     monkeypatch.setattr(sweep, "mhc_boundary", lambda *a, **k: seen.append(
-        (k["block_t"], k["chunk"], sweep.boundary_kernels.FINISH_BY_TOKEN, sweep.boundary_kernels.NUM_WARPS)))
-    rows = sweep.sweep_boundary("cpu", [2], 1, block_ts=(1, 2, 4), chunks=(32,), warps=(4, 8), finish_scalar=(False,))
-    assert [r["variant"] for r in rows] == ["bt1-c32", "bt1-c32-w8", "bt2-c32", "bt2-c32-w8", "bt2-c32-token",
-                                            "bt2-c32-token-w8"]
-    assert sorted(set(seen)) == [(1, 32, False, 4), (1, 32, False, 8), (2, 32, False, 4), (2, 32, False, 8),
-                                 (2, 32, True, 4), (2, 32, True, 8)]
-    assert sweep.boundary_kernels.NUM_WARPS == 4 and sweep.boundary_kernels.FINISH_BY_TOKEN is False
-
-
-def test_boundary_sweep_times_token_finishers_when_asked(monkeypatch):
-    """`finishers` (False, True): each tiling also with a finisher program per token, passed to the launch,
-    without the by-token or scalar finisher forms (which it replaces); the default passes False."""
-    import glm5next.bench.sweep as sweep
-
-    seen = []
-    monkeypatch.setattr(sweep, "_time", lambda fn, calls, replays: fn() or 1.0)
-    monkeypatch.setattr(sweep, "boundary_mixer", lambda device: (None, None, None))
-    monkeypatch.setattr(sweep, "boundary_state", lambda T, device: (None,) * 4)
-    monkeypatch.setattr(sweep, "mhc_boundary", lambda *a, **k: seen.append(
-        (k["block_t"], k["finishers"], sweep.boundary_kernels.FINISH_BY_TOKEN)))
-    rows = sweep.sweep_boundary("cpu", [2], 1, block_ts=(1, 2), chunks=(32,), finish_scalar=(False, True),
-                                finishers=(False, True))
-    assert [r["variant"] for r in rows] == ["bt1-c32", "bt1-c32-scalar", "bt1-c32-finishers", "bt2-c32",
-                                            "bt2-c32-token", "bt2-c32-finishers"]
-    assert sorted(set(seen)) == [(1, False, False), (1, True, False), (2, False, False), (2, False, True),
-                                 (2, True, False)]
-    seen.clear()
-    sweep.sweep_boundary("cpu", [2], 1, block_ts=(2,), chunks=(32,))
-    assert {k[1] for k in seen} == {False}
+        (k["block_t"], k["chunk"], sweep.boundary_kernels.NUM_WARPS)))
+    rows = sweep.sweep_boundary("cpu", [2], 1, block_ts=(1, 2, 4), chunks=(32,), warps=(4, 8))
+    assert [r["variant"] for r in rows] == ["bt1-c32", "bt1-c32-w8", "bt2-c32", "bt2-c32-w8"]
+    assert sorted(set(seen)) == [(1, 32, 4), (1, 32, 8), (2, 32, 4), (2, 32, 8)]
+    assert sweep.boundary_kernels.NUM_WARPS == 4
 
 
 def test_boundary_sweep_times_deferral_when_asked(monkeypatch):
     """`deferred` (True, False): each tiling once as it is and once taking and leaving its comb
     pending; the default times only the plain launch."""
-    import glm5next.bench.sweep as sweep
+    import benchmarks.sweep as sweep
 
     seen = []
     monkeypatch.setattr(sweep, "_time", lambda fn, calls, replays: fn() or 1.0)
@@ -408,33 +383,31 @@ def test_boundary_sweep_times_deferral_when_asked(monkeypatch):
     monkeypatch.setattr(sweep, "boundary_state", lambda T, device: (None,) * 4)
     monkeypatch.setattr(sweep, "mhc_boundary", lambda *a, **k: seen.append(
         (k["chunk"], k["defer_sinkhorn"], k["comb_pending"])))
-    rows = sweep.sweep_boundary("cpu", [1], 1, block_ts=(1,), chunks=(32, 64), deferred=(False, True),
-                                finish_scalar=(False,))
+    rows = sweep.sweep_boundary("cpu", [1], 1, block_ts=(1,), chunks=(32, 64), deferred=(False, True))
     assert [r["variant"] for r in rows] == ["bt1-c32", "bt1-c32-deferred", "bt1-c64", "bt1-c64-deferred"]
     assert sorted(set(seen)) == [(32, False, False), (32, True, True), (64, False, False), (64, True, True)]
     seen.clear()
-    assert [r["variant"] for r in sweep.sweep_boundary("cpu", [1], 1, block_ts=(1,), chunks=(32,),
-                                                       finish_scalar=(False,))] == ["bt1-c32"]
+    assert [r["variant"] for r in sweep.sweep_boundary("cpu", [1], 1, block_ts=(1,), chunks=(32,))] == ["bt1-c32"]
     assert set(seen) == {(32, False, False)}
 
 
 def test_linear_sweep_hands_the_x16_variant_an_fp16_copy(monkeypatch):
     """"x16": the entry point gets x in fp16 (made once per row count, outside the timed calls); the
     other variants get their keywords unchanged; BF16 cases skip the x16 variant."""
-    import glm5next.bench.sweep as sweep
+    import benchmarks.sweep as sweep
 
     seen = []
     monkeypatch.setattr(sweep, "_time", lambda fn, calls, replays: fn() or 1.0)
     monkeypatch.setattr(sweep, "ROTATE_BYTES", 1)  # one copy of each case's weights
     monkeypatch.setattr(sweep, "shape_weights", lambda name, device: ([(None, None)], None))
     monkeypatch.setattr(sweep, "project", lambda x, ws, ups, **kw: seen.append((x, kw)))
-    rows = sweep.sweep_linear("cpu", [3], 1e12, 1, variants=["heuristic", "x16", "tma"],
+    rows = sweep.sweep_linear("cpu", [3], 1e12, 1, variants=["heuristic", "x16", "split-2x"],
                               cases=["dsa_o_proj", "kda_o_proj"])
     assert [(r["case"], r["variant"]) for r in rows] == [
-        ("kda_o_proj", "heuristic"), ("kda_o_proj", "tma"), ("dsa_o_proj", "heuristic"), ("dsa_o_proj", "tma"),
-        ("dsa_o_proj", "x16")]
+        ("kda_o_proj", "heuristic"), ("kda_o_proj", "split-2x"), ("dsa_o_proj", "heuristic"),
+        ("dsa_o_proj", "split-2x"), ("dsa_o_proj", "x16")]
     (x0, kw0), (_, kw_t), _, (_, kw2), (x1, kw1) = seen
-    assert kw0 == {} and kw_t == {"mode": "tma"} and kw2 == {"mode": "tma"} and set(kw1) == {"x16"}
+    assert kw0 == {} and kw_t == {"split_factor": 2} and kw2 == {"split_factor": 2} and set(kw1) == {"x16"}
     assert kw1["x16"].dtype == torch.float16 and torch.equal(kw1["x16"], x1.to(torch.float16))
     seen.clear()
     rows = sweep.sweep_linear("cpu", [3], 1e12, 1, variants=["fp16-convert"], cases=["dsa_o_proj"])
@@ -446,7 +419,7 @@ def test_linear_sweep_hands_the_x16_variant_an_fp16_copy(monkeypatch):
 def test_linear_sweep_resident_calls_one_instance(monkeypatch):
     """`resident`: every call of a case's graph uses the same weights (which then stay in L2), as many
     calls as the rotated run makes over its distinct instances; rows say which they were."""
-    import glm5next.bench.sweep as sweep
+    import benchmarks.sweep as sweep
 
     made, seen = [], []
     monkeypatch.setattr(sweep, "_time", lambda fn, calls, replays: fn() or 1.0)
@@ -461,64 +434,6 @@ def test_linear_sweep_resident_calls_one_instance(monkeypatch):
         assert len(seen) > 1 and len(set(map(id, seen))) == (1 if resident else len(seen))
         assert len(made) == (1 if resident else len(seen))
 
-
-
-def test_linear_sweep_two_waves_plans_as_before_one_wave(monkeypatch):
-    """"two-waves": its calls plan with `ONE_WAVE` off (the real plan of the DSA q_b at 64 rows: 64-column
-    tiles), the other variants with it on; the setting is restored after each call."""
-    import glm5next.bench.sweep as sweep
-    import glm5next.kernels.linear as plans
-
-    seen = []
-    monkeypatch.setattr(sweep, "_time", lambda fn, calls, replays: fn() or 1.0)
-    monkeypatch.setattr(sweep, "ROTATE_BYTES", 1)
-    monkeypatch.setattr(sweep, "shape_weights", lambda name, device: ([(None, None)], None))
-    monkeypatch.setattr(sweep, "project", lambda x, ws, ups, **kw: seen.append(
-        plans.plan_launch(x.shape[0], [20480], 1536, 1).block_n))
-    rows = sweep.sweep_linear("cpu", [64], 1e12, 1, variants=["heuristic", "two-waves"], cases=["dsa_q_b"])
-    assert [r["variant"] for r in rows] == ["heuristic", "two-waves"] and seen == [128, 64]
-    assert plans.ONE_WAVE
-
-
-def test_boundary_sweep_times_contraction_when_asked(monkeypatch):
-    """`fp_fusion` (False, True): each tiling once as shipped and once compiled with contraction, the
-    module's setting restored afterwards."""
-    import glm5next.bench.sweep as sweep
-    import glm5next.kernels.boundary as boundary_kernels
-
-    seen = []
-    monkeypatch.setattr(sweep, "_time", lambda fn, calls, replays: fn() or 1.0)
-    monkeypatch.setattr(sweep, "boundary_mixer", lambda device: (None, None, None))
-    monkeypatch.setattr(sweep, "boundary_state", lambda T, device: (None,) * 4)
-    monkeypatch.setattr(sweep, "mhc_boundary", lambda *a, **k: seen.append((k["chunk"], boundary_kernels.FP_FUSION)))
-    rows = sweep.sweep_boundary("cpu", [1], 1, block_ts=(1,), chunks=(32,), fp_fusion=(False, True),
-                                finish_scalar=(False,))
-    assert [r["variant"] for r in rows] == ["bt1-c32", "bt1-c32-contracted"]
-    assert sorted(set(seen)) == [(32, False), (32, True)]
-    assert boundary_kernels.FP_FUSION is False
-
-
-def test_boundary_sweep_times_the_scalar_finisher_on_one_token_blocks(monkeypatch):
-    """`finish_scalar` (False, True): one-token-block tilings once with the tile finisher and once with the
-    scalar one; blocks of several tokens (which have no scalar form) once; the module's setting restored
-    afterwards, and by default one-token blocks as shipped."""
-    import glm5next.bench.sweep as sweep
-    import glm5next.kernels.boundary as boundary_kernels
-
-    shipped = boundary_kernels.FINISH_SCALAR
-    seen = []
-    monkeypatch.setattr(sweep, "_time", lambda fn, calls, replays: fn() or 1.0)
-    monkeypatch.setattr(sweep, "boundary_mixer", lambda device: (None, None, None))
-    monkeypatch.setattr(sweep, "boundary_state", lambda T, device: (None,) * 4)
-    monkeypatch.setattr(sweep, "mhc_boundary",
-                        lambda *a, **k: seen.append((k["block_t"], boundary_kernels.FINISH_SCALAR)))
-    rows = sweep.sweep_boundary("cpu", [2], 1, block_ts=(1, 2), chunks=(32,), finish_scalar=(False, True))
-    assert [r["variant"] for r in rows] == ["bt1-c32", "bt1-c32-scalar", "bt2-c32", "bt2-c32-token"]
-    assert sorted(set(seen)) == [(1, False), (1, True), (2, False)]
-    assert boundary_kernels.FINISH_SCALAR is shipped
-    seen.clear()
-    rows = sweep.sweep_boundary("cpu", [1], 1, block_ts=(1,), chunks=(32,))  # default: as shipped
-    assert set(seen) == {(1, shipped)} and rows[0]["variant"] == "bt1-c32" + ("-scalar" if shipped else "")
 
 
 def test_tune_merge_keeps_the_sizes_not_measured():
@@ -551,14 +466,14 @@ def test_tune_merge_keeps_the_sizes_not_measured():
 def _load_bench_script(name):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "bench", f"{name}.py"))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
 def test_triton_cache_round_trip_keeps_what_a_hit_reads(tmp_path):
-    """bench/triton_cache.py: pack keeps each complete kernel entry's binary, metadata and group (no IR,
+    """benchmarks/triton_cache.py: pack keeps each complete kernel entry's binary, metadata and group (no IR,
     no interrupted compile), and launchers; unpack points the groups at the files' new place; an archive
     over the size cap keeps the newest entries."""
     tc = _load_bench_script("triton_cache")
@@ -632,7 +547,7 @@ def test_sweep_launch_targets_take_the_default_launch_of_groups_and_fp8_weights(
     groups and of every FP8 case against 85 %; other variants, resident timings, BF16 singles and boundary rows
     are not targets."""
     from glm5next.bench.specialized import format_targets
-    from glm5next.bench.sweep import launch_targets
+    from benchmarks.sweep import launch_targets
 
     rows = [dict(case="dsa_group", m=1, variant="heuristic", bw_fraction=0.25, resident=False),
             dict(case="kda_group", m=1, variant="heuristic", bw_fraction=0.9, resident=False),

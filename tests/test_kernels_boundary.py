@@ -179,19 +179,15 @@ def test_launch_modes():
         fused.mhc_boundary(*args, **KW, pdl="early")
 
 
-@pytest.mark.parametrize("registers", [False, True, "scalar", "finishers"])
+@pytest.mark.parametrize("registers", [False, True])
 @pytest.mark.parametrize("T, D", [(1, 64), (3, 100)])
 def test_deferred_sinkhorn_chain_equals_the_plain_chain(monkeypatch, T, D, registers):
     """first -> boundary -> boundary -> last with every comb left pending (one Sinkhorn iteration) and
     finished by the next launch's chunk programs: the same streams, post, x and hidden states as the
-    plain chain (bit for bit on the register path, which runs the same iterations on the same values;
-    "scalar": that path with the scalar finisher where the blocks hold one token, at chunks of 32 columns,
-    where the deferred launches take it too; "finishers": that path with `TOKEN_FINISHERS`, each token
-    finished on a program of its own), each pending comb the reference's, and finishing it gives the plain
-    comb."""
-    monkeypatch.setattr(fused, "SINKHORN_IN_REGISTERS", bool(registers))
-    monkeypatch.setattr(fused, "FINISH_SCALAR", registers == "scalar")
-    monkeypatch.setattr(fused, "TOKEN_FINISHERS", registers == "finishers")
+    plain chain (bit for bit on the register path, which runs the same iterations on the same values, at
+    chunks of 32 columns, where one-token blocks finish by scalars deferred or not), each pending comb the
+    reference's, and finishing it gives the plain comb."""
+    monkeypatch.setattr(fused, "SINKHORN_IN_REGISTERS", registers)
     g = torch.Generator().manual_seed(300 + T)
     hcs = [_stock_hc(D, 40 + i) for i in range(3)]
     emb = torch.randn(T, D, generator=g)
@@ -200,7 +196,7 @@ def test_deferred_sinkhorn_chain_equals_the_plain_chain(monkeypatch, T, D, regis
 
     def chain(mod, deferred):
         pend = dict(comb_pending=True) if deferred else {}
-        if registers == "scalar" and mod is fused:
+        if registers and mod is fused:
             pend["chunk"] = 32
         res = [mod.mhc_first(emb, *_mixer(hcs[0]), norm_w, **KW, **({"chunk": 32} if "chunk" in pend else {}),
                              **({"defer_sinkhorn": True} if deferred else {}))]
@@ -271,13 +267,10 @@ def test_rows_wider_than_one_finisher_tile():
 
 
 def test_sinkhorn_form_by_device(monkeypatch):
-    """Tiles in the interpreter, registers on the GPU with the approximate reciprocal unless turned
-    off (the interpreter has no inline assembly)."""
+    """Tiles in the interpreter, registers on the GPU with the approximate reciprocal (the interpreter,
+    asked for registers, has no inline assembly)."""
     assert fused.plan(3, 100, N, on_gpu=False)["SK4"] == 0
     assert fused.plan(3, 100, N, on_gpu=True)["SK4"] == 2
-    monkeypatch.setattr(fused, "SINKHORN_RCP", False)
-    assert fused.plan(3, 100, N, on_gpu=True)["SK4"] == 1
-    monkeypatch.setattr(fused, "SINKHORN_RCP", True)
     monkeypatch.setattr(fused, "SINKHORN_IN_REGISTERS", True)
     assert fused.plan(3, 100, N, on_gpu=False)["SK4"] == 1
 
@@ -295,41 +288,14 @@ def test_gpu_chunk_by_token_count():
     assert p["SUB"] * p["NSUB"] == 128 and p["NC"] == 32
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_finisher_token_by_token(monkeypatch, dtype):
-    """Blocks of several tokens whose finisher collapses and normalises one token at a time with the
-    row in registers (the GPU's form for blocks of 2+), at an odd token count that leaves the last
-    block part-empty, for the boundary, the first layer and the last."""
-    monkeypatch.setattr(fused, "FINISH_BY_TOKEN", True)
-    T, D = 5, 136
-    p = fused.plan(T, D, N, False, block_t=4)
-    assert p["BY_TOKEN"] and p["FIN"] >= D and p["BT"] == 4
-    out, streams, post, comb, hc, norm_w = _case(T, D, dtype, seed=23)
-    tol = 1e-5 if dtype == torch.float32 else 3 * 2.0**-7
-    got = fused.mhc_boundary(out, streams, post, comb, *_mixer(hc), norm_w, **KW, block_t=4, chunk=32,
-                             **_nan_buffers(T, D, dtype))
-    want = ref.mhc_boundary(out, streams, post, comb, *_mixer(hc), norm_w, **KW)
-    for g, w in zip(got, want):
-        _close(g, w, tol)
-    bufs = _nan_buffers(T, D, dtype)
-    first = fused.mhc_first(out, *_mixer(hc), norm_w, **KW, block_t=4, streams=bufs["new_streams"],
-                            post=bufs["new_post"], comb=bufs["new_comb"], x=bufs["x"])
-    for g, w in zip(first, ref.mhc_first(out, *_mixer(hc), norm_w, **KW)):
-        _close(g, w, tol)
-    hidden = fused.mhc_last(out, streams, post, comb, norm_w, norm_eps=NORM_EPS, block_t=4,
-                            hidden=torch.full((T, D), float("nan"), dtype=dtype))
-    _close(hidden, ref.mhc_last(out, streams, post, comb, norm_w, norm_eps=NORM_EPS), tol)
-
-
-@pytest.mark.parametrize("form", ["one-tile", "by-token", "wide-rows"])
+@pytest.mark.parametrize("form", ["one-tile", "wide-rows"])
 def test_x16_is_x_in_fp16(monkeypatch, form):
     """With an `x16` buffer the boundary and the first layer also write x in fp16: the same values as x
-    converted, NaN-filled buffers, in each finisher form (whole rows, token by token, rows wider than
-    one tile), and x itself unchanged by it."""
-    T, D, block_t = {"one-tile": (3, 100, None), "by-token": (5, 136, 4), "wide-rows": (3, 4100, 2)}[form]
-    monkeypatch.setattr(fused, "FINISH_BY_TOKEN", form == "by-token")
+    converted, NaN-filled buffers, in each finisher form (whole rows, rows wider than one tile), and x
+    itself unchanged by it."""
+    T, D, block_t = {"one-tile": (3, 100, None), "wide-rows": (3, 4100, 2)}[form]
     p = fused.plan(T, D, N, False, block_t=block_t)
-    assert (p["FIN"] < D) == (form == "wide-rows") and p["BY_TOKEN"] == (form == "by-token")
+    assert (p["FIN"] < D) == (form == "wide-rows")
     dtype = torch.bfloat16
     out, streams, post, comb, hc, norm_w = _case(T, D, dtype, seed=31)
     plain = fused.mhc_boundary(out, streams, post, comb, *_mixer(hc), norm_w, **KW, block_t=block_t)
@@ -356,15 +322,13 @@ def test_x16_buffer_is_checked():
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("T, D", [(1, 64), (3, 130)])
 def test_scalar_finisher_of_one_token_blocks(monkeypatch, T, D, dtype):
-    """`FINISH_SCALAR`: one-token blocks (the GPU's form up to 16 tokens) on the register path finish
-    with the mixer's outputs as scalars: the boundary and the first layer match the reference with
-    NaN-filled outputs (and their x16 is x in fp16), the tile finisher within rounding; the last layer
-    and blocks of several tokens keep the tile finisher, deferred Sinkhorn does at chunks above 32."""
+    """One-token blocks (the GPU's form up to 16 tokens) on the register path finish with the mixer's
+    outputs as scalars: the boundary and the first layer match the reference with NaN-filled outputs (and
+    their x16 is x in fp16), and the tile finisher of two-token blocks within rounding; the last layer and
+    blocks of several tokens keep the tile finisher, deferred Sinkhorn does at chunks above 32."""
     monkeypatch.setattr(fused, "SINKHORN_IN_REGISTERS", True)
     out, streams, post, comb, hc, norm_w = _case(T, D, dtype, seed=61)
-    monkeypatch.setattr(fused, "FINISH_SCALAR", False)
-    tile = fused.mhc_boundary(out, streams, post, comb, *_mixer(hc), norm_w, **KW, block_t=1)
-    monkeypatch.setattr(fused, "FINISH_SCALAR", True)
+    tile = fused.mhc_boundary(out, streams, post, comb, *_mixer(hc), norm_w, **KW, block_t=2)
     p = fused.plan(T, D, N, False, block_t=1)
     assert fused.finishes_by_scalars(p, 0, N, D) and fused.finishes_by_scalars(p, 1, N, D)
     assert not fused.finishes_by_scalars(p, 2, N, D) and not fused.finishes_by_scalars(p, 0, 2, D)
@@ -385,66 +349,3 @@ def test_scalar_finisher_of_one_token_blocks(monkeypatch, T, D, dtype):
                             post=bufs["new_post"], comb=bufs["new_comb"], x=bufs["x"])
     for g, w in zip(first, ref.mhc_first(out, *_mixer(hc), norm_w, **KW)):
         _close(g, w, tol)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-@pytest.mark.parametrize("T, D, block_t, chunk", [(1, 64, 1, 32), (5, 136, 4, 32), (3, 100, 8, 16)])
-def test_token_finishers(monkeypatch, T, D, block_t, chunk, dtype):
-    """`TOKEN_FINISHERS`: the chunk programs take blocks of several tokens and each token finishes on a
-    program of its own, which waits for its block's chunk programs. The boundary and the first layer
-    (x16 too, NaN-filled outputs, a part-empty last block at 5 tokens in blocks of 4) give the same bits
-    as one-token blocks finished by scalars (the same values, token by token), and match the reference;
-    both halves of the ticket counters are left reset for the next launch."""
-    monkeypatch.setattr(fused, "SINKHORN_IN_REGISTERS", True)
-    monkeypatch.setattr(fused, "FINISH_SCALAR", True)
-    out, streams, post, comb, hc, norm_w = _case(T, D, dtype, seed=71 + T)
-    one = fused.mhc_boundary(out, streams, post, comb, *_mixer(hc), norm_w, **KW, block_t=1, chunk=chunk)
-    p = fused.plan(T, D, N, False, block_t=block_t, chunk=chunk, finishers=True)
-    assert p["FINISHERS"] and p["BT"] == block_t and p["FIN"] >= D and not p["BY_TOKEN"]
-    x16 = torch.full((T, D), float("nan"), dtype=torch.float16)
-    got = fused.mhc_boundary(out, streams, post, comb, *_mixer(hc), norm_w, **KW, block_t=block_t, chunk=chunk,
-                             finishers=True, x16=x16, **_nan_buffers(T, D, dtype))
-    assert not fused._tickets(out.device).any()
-    for g, o in zip(got, one):
-        assert torch.equal(g, o)
-    assert torch.equal(x16, got[3].to(torch.float16))
-    tol = 1e-5 if dtype == torch.float32 else 3 * 2.0**-7
-    for g, w in zip(got, ref.mhc_boundary(out, streams, post, comb, *_mixer(hc), norm_w, **KW)):
-        _close(g, w, tol)
-    bufs = _nan_buffers(T, D, dtype)
-    first = fused.mhc_first(out, *_mixer(hc), norm_w, **KW, block_t=block_t, chunk=chunk, finishers=True,
-                            streams=bufs["new_streams"], post=bufs["new_post"], comb=bufs["new_comb"], x=bufs["x"])
-    assert not fused._tickets(out.device).any()
-    for g, o in zip(first, fused.mhc_first(out, *_mixer(hc), norm_w, **KW, block_t=1, chunk=chunk)):
-        assert torch.equal(g, o)
-    for g, w in zip(first, ref.mhc_first(out, *_mixer(hc), norm_w, **KW)):
-        _close(g, w, tol)
-
-
-def test_token_finishers_plan(monkeypatch):
-    """Token finishers need n = 4, Sinkhorn in registers and rows of at most 4096 (a row per finisher);
-    `TOKEN_FINISHERS` turns them on from 2 tokens where the caller does not say, with blocks of up to
-    `FINISHER_BLOCK_T` tokens and chunks of `FINISHER_CHUNK` on the GPU unless given; the last layer's
-    launch never takes them (it has no mixer) and stays right."""
-    assert not fused.plan(8, 4096, N, False, finishers=True)["FINISHERS"]  # the interpreter's tile Sinkhorn
-    assert fused.plan(8, 4096, N, True, finishers=True)["FINISHERS"]
-    assert not fused.plan(8, 4096, 2, True, finishers=True)["FINISHERS"]
-    assert not fused.plan(8, 4100, N, True, finishers=True)["FINISHERS"]
-    assert not fused.plan(8, 4096, N, True)["FINISHERS"]  # off as shipped
-    monkeypatch.setattr(fused, "TOKEN_FINISHERS", True)
-    assert fused.plan(1, 4096, N, True) == {**fused.plan(1, 4096, N, True, finishers=False)}  # from 2 tokens
-    assert fused.plan(1, 4096, N, True, finishers=True)["FINISHERS"]
-    for T in (2, 5, 8, 16, 64):
-        p = fused.plan(T, 4096, N, True)
-        assert p["FINISHERS"] and p["BT"] == min(triton.next_power_of_2(T), fused.FINISHER_BLOCK_T)
-        assert p["SUB"] * p["NSUB"] == fused.FINISHER_CHUNK and p["FIN"] == 4096
-    p = fused.plan(8, 4096, N, True, block_t=2, chunk=128)
-    assert p["FINISHERS"] and p["BT"] == 2 and p["SUB"] * p["NSUB"] == 128
-    assert not fused.plan(8, 4096, N, True, finishers=False)["FINISHERS"]
-    monkeypatch.setattr(fused, "SINKHORN_IN_REGISTERS", True)
-    T, D = 5, 100
-    out, streams, post, comb, _, norm_w = _case(T, D, torch.float32, seed=77)
-    hidden = fused.mhc_last(out, streams, post, comb, norm_w, norm_eps=NORM_EPS, block_t=4,
-                            hidden=torch.full((T, D), float("nan")))
-    _close(hidden, ref.mhc_last(out, streams, post, comb, norm_w, norm_eps=NORM_EPS), 1e-5)
-    assert not fused._tickets(out.device).any()

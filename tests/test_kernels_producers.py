@@ -4,7 +4,7 @@ outputs, odd sizes, strided inputs; the fp16 copy is the result converted, bit f
 import pytest
 import torch
 
-from glm5next.kernels.producers import cast, cast_reference, rms_norm, rms_norm_pair, rms_norm_reference
+from glm5next.kernels.producers import cast, cast_reference, rms_norm, rms_norm_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -32,31 +32,6 @@ def test_rms_norm_equals_the_stock_norm(T, D, dtype):
     assert torch.equal(out16, got.to(torch.float16))
     plain = rms_norm(x, w, 1e-6)  # no copy asked for: the same result
     assert torch.equal(plain, got)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T,D,DY", [(1, 48, 16), (3, 200, 64), (17, 1536, 512)])
-def test_rms_norm_pair_is_each_norm_alone(T, D, DY, dtype):
-    """Two norms of the same rows in one launch (the DSA q_a and kv_a norms): NaN-filled outputs, strided
-    rows, widths and epsilons that differ; each output the same bits as `rms_norm` alone, the copy of the
-    first its result in fp16."""
-    g = torch.Generator().manual_seed(T + D + DY)
-    wide = (torch.randn(T, D + DY + 40, generator=g) * 3).to(dtype).to(DEVICE)
-    x, y = wide[:, :D], wide[:, D + 7:D + 7 + DY]  # two slices of one grouped launch's output
-    w = (1 + 0.1 * torch.randn(D, generator=g)).to(dtype).to(DEVICE)
-    wy = (1 + 0.1 * torch.randn(DY, generator=g)).to(dtype).to(DEVICE)
-    out, out_y, out16 = nan((T, D), dtype), nan((T, DY), dtype), nan((T, D), torch.float16)
-    got, got_y = rms_norm_pair(x, w, 1e-6, y, wy, 1e-5, out16, out, out_y)
-    assert got is out and got_y is out_y
-    assert torch.equal(got, rms_norm(x, w, 1e-6)) and torch.equal(got_y, rms_norm(y, wy, 1e-5))
-    assert torch.equal(out16, got.to(torch.float16))
-    tol = 1e-6 if dtype == torch.float32 else 2.0**-6
-    want_y = rms_norm_reference(y, wy, 1e-5).float()
-    assert not ((got_y.float() - want_y).abs() > want_y.abs() * tol).any()
-    plain, plain_y = rms_norm_pair(x, w, 1e-6, y, wy, 1e-5)  # no copy asked for: the same results
-    assert torch.equal(plain, got) and torch.equal(plain_y, got_y)
-    with pytest.raises(ValueError, match="same rows"):
-        rms_norm_pair(x, w, 1e-6, y[:-1] if T > 1 else torch.cat([y, y]), wy, 1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -79,22 +79,17 @@ def test_dense_and_shared_expert_stages_equal_stock(tiny_fp32):
 
 
 def test_dsa_norms_and_value_cast_route_where_the_projections_are_routed(tiny_dir, tiny_fp32, monkeypatch):
-    """With the DSA projections routed, a DSA layer's latent norms run as kernels: with `NORM_PAIR` one for
-    both where its group runs as one launch (the q_a norm's call normalises the group's kv_a output too, which
-    the kv_a norm's call then returns), one each with "single" (and as shipped); in bf16 the q_a norm's writes and files the fp16
+    """With the DSA projections routed, a DSA layer's latent norms run as kernels, one each; in bf16 the q_a norm's writes and files the fp16
     copy the q_b and the wq_b read, and the cast before the o_proj runs as a kernel that writes the o_proj's
     copy. All equal the stock code's results (in fp32 within 1e-5; in bf16 the cast bit for bit up to the
     interpreter's truncating casts)."""
     import glm5next.kernels.producers as producers
-    import glm5next.specialized_decode.linear as routes
     from glm5next.model.backbone import Glm5NextModel
     from glm5next.model.routing import cast_input
-    from glm5next.specialized_decode.linear import CastRoute, NormPair, NormRoute
+    from glm5next.specialized_decode.linear import CastRoute, NormRoute
 
-    assert not routes.NORM_PAIR  # off as shipped: one kernel each
-    monkeypatch.setattr(routes, "NORM_PAIR", True)
     launches = []
-    for name in ("rms_norm", "rms_norm_pair"):
+    for name in ("rms_norm",):
         real = getattr(producers, name)
         monkeypatch.setattr(producers, name, lambda *a, _n=name, _f=real, **k: launches.append(_n) or _f(*a, **k))
     bf16 = Glm5NextModel.from_pretrained(tiny_dir, torch.bfloat16, "cpu", progress=False)
@@ -111,19 +106,14 @@ def test_dsa_norms_and_value_cast_route_where_the_projections_are_routed(tiny_di
             ex = SpecializedDecode(model, policy(dsa_proj=choice), SIZES)
             table = ex.routes(4)
             q_norm, kv_norm = table[id(attn.q_a_layernorm)], table[id(attn.kv_a_layernorm)]
-            if choice == "grouped":
-                pair = q_norm.__self__
-                assert isinstance(pair, NormPair) and kv_norm.__self__ is pair
-                assert (pair.q_alone.copies is ex.copies) == (model is bf16)
-            else:
-                assert isinstance(q_norm, NormRoute) and isinstance(kv_norm, NormRoute) and kv_norm.copies is None
-                assert (q_norm.copies is ex.copies) == (model is bf16)
+            assert isinstance(q_norm, NormRoute) and isinstance(kv_norm, NormRoute) and kv_norm.copies is None
+            assert (q_norm.copies is ex.copies) == (model is bf16)
             launches.clear()
             with routed(table):
                 got_q = attn.q_a_layernorm(attn.q_a_proj(h))
                 copy = ex.copies.get(got_q)
                 got_kv = attn.kv_a_layernorm(attn.kv_a_proj_with_mqa(h))
-            assert launches == (["rms_norm_pair"] if choice == "grouped" else ["rms_norm", "rms_norm"])
+            assert launches == ["rms_norm", "rms_norm"]
             close(got_q, want_q, tol)
             close(got_kv, want_kv, tol)
             if model is bf16:
@@ -190,30 +180,12 @@ def decode_alike(model, lens, executor, steps):
 @pytest.mark.parametrize("choice", STAGES["kda_proj"])
 def test_planned_step_equals_stock_step(tiny_fp32, choice):
     lens = [5, 40, 70]  # the long ones make the indexer drop pools
-    mlp = "fused-overlap" if choice in ("grouped-overlap", "grouped-hold") else "fused"  # overlapped forms together
+    mlp = "fused-overlap" if choice == "grouped-overlap" else "fused"  # overlapped forms together
     ex = SpecializedDecode(tiny_fp32, policy(kda_proj=choice, dsa_proj=choice, dense_mlp=mlp, shared_expert=mlp),
                            SIZES)
     planned, stock = decode_alike(tiny_fp32, lens, ex, 3)
     for a, b in zip(planned.cache.tensors(), stock.cache.tensors()):
         close(a[:-1], b[:-1])  # every cache write but the padding row's scratch
-
-
-def test_planned_step_with_paired_dsa_norms_equals_stock_step(tiny_fp32, monkeypatch):
-    """`NORM_PAIR`: the planned step with each DSA layer's latent norms in one kernel equals the stock one
-    (logits and every cache write), and the pair kernel ran once per DSA layer a step."""
-    import glm5next.kernels.producers as producers
-    import glm5next.specialized_decode.linear as routes
-
-    monkeypatch.setattr(routes, "NORM_PAIR", True)
-    pairs = []
-    real = producers.rms_norm_pair
-    monkeypatch.setattr(producers, "rms_norm_pair", lambda *a, **k: pairs.append(1) or real(*a, **k))
-    ex = SpecializedDecode(tiny_fp32, policy(), SIZES)
-    planned, stock = decode_alike(tiny_fp32, [5, 40], ex, 2)
-    for a, b in zip(planned.cache.tensors(), stock.cache.tensors()):
-        close(a[:-1], b[:-1])
-    assert ex.planned_steps == 2
-    assert len(pairs) == 2 * sum(layer.layer_kind == "dsa" for layer in tiny_fp32.layers)
 
 
 @pytest.mark.parametrize("registers", [False, True])
@@ -324,9 +296,8 @@ def test_greedy_tokens_identical_over_64_planned_steps(tiny_fp32):
 def test_projection_case_runs_every_choice_after_its_boundary(tiny_fp32, monkeypatch):
     """The tuning case of a sublayer's projections runs each choice behind the boundary that feeds
     it (the group reads the boundary's output) and has the boundaries alone as its `before`;
-    "grouped-early", "grouped-overlap" and "grouped-hold" ask for the programmatic launch of the group
-    (the latter two behind a boundary that releases it late; "grouped-hold" with four K steps held),
-    "grouped" leaves it to the default."""
+    "grouped-early" and "grouped-overlap" ask for the programmatic launch of the group (the latter behind a
+    boundary that releases it late), "grouped" leaves it to the default."""
     import glm5next.kernels.linear as linear_kernels
     from glm5next.bench import stages
     from glm5next.config import KDA
@@ -342,7 +313,7 @@ def test_projection_case_runs_every_choice_after_its_boundary(tiny_fp32, monkeyp
     releases = []
 
     def record_multi(x, projections, *a, **k):
-        seen.append((choice, k.get("pdl"), k.get("hold"), any(x is b for b in boundary_outputs)))
+        seen.append((choice, k.get("pdl"), any(x is b for b in boundary_outputs)))
         return multi(x, projections, *a, **k)
 
     def record_boundary(self, *a, **k):
@@ -356,34 +327,29 @@ def test_projection_case_runs_every_choice_after_its_boundary(tiny_fp32, monkeyp
     for choice, run in case.runs.items():
         run()
     kda_layers = sum(layer.layer_kind == KDA for layer in tiny_fp32.layers)
-    assert sorted(set(seen)) == [("grouped", None, None, True), ("grouped-early", True, None, True),
-                                 ("grouped-hold", True, 4, True), ("grouped-overlap", True, None, True)]
-    assert len(seen) == 4 * kda_layers
-    assert {c for c, late in releases if late} == {"grouped-overlap", "grouped-hold"}  # only theirs release late
+    assert sorted(set(seen)) == [("grouped", None, True), ("grouped-early", True, True),
+                                 ("grouped-overlap", True, True)]
+    assert len(seen) == 3 * kda_layers
+    assert {c for c, late in releases if late} == {"grouped-overlap"}  # only its boundary releases late
     n = len(boundary_outputs)
     choice = "before"
     case.before()
     assert len(boundary_outputs) - n == kda_layers and not any(late for _, late in releases[-kda_layers:])
     # The DSA case runs a layer's projections as its forward does: the latent norms (as kernels where the
-    # projections are routed: with `NORM_PAIR` one for both behind a grouped launch, one each with "single")
-    # between the group and the q_b, the values' cast before the o_proj.
+    # projections are routed, one each) between the group and the q_b, the values' cast before the o_proj.
     import glm5next.kernels.producers as producers
-    import glm5next.specialized_decode.linear as routes
     from glm5next.config import DSA
-
-    monkeypatch.setattr(routes, "NORM_PAIR", True)
 
     dsa_case = stages._projection_case(tiny_fp32, 2, DSA, "dsa_proj")
     norms = []
-    for name in ("rms_norm", "rms_norm_pair"):
-        real = getattr(producers, name)
-        monkeypatch.setattr(producers, name, lambda *a, _n=name, _f=real, **k: norms.append((choice, _n)) or _f(*a, **k))
+    real = producers.rms_norm
+    monkeypatch.setattr(producers, "rms_norm", lambda *a, **k: norms.append((choice, "rms_norm")) or real(*a, **k))
     for choice, run in dsa_case.runs.items():
         run()
     dsa_layers = sum(layer.layer_kind == DSA for layer in tiny_fp32.layers)
     for c in STAGES["dsa_proj"]:
         launched = [n for k, n in norms if k == c]
-        assert launched == (["rms_norm", "rms_norm"] * dsa_layers if c == "single" else ["rms_norm_pair"] * dsa_layers), c
+        assert launched == ["rms_norm", "rms_norm"] * dsa_layers, c
     assert not [n for k, n in norms if k == "stock"]
 
 

@@ -18,6 +18,7 @@ from ..model.routing import routed
 from ..runtime.metadata import CUDAGraphMode, ForwardContext
 from ..runtime.runner import Runner
 from ..specialized_decode import Policy, SpecializedDecode
+from ..specialized_decode.describe import merge_equal_choices
 from .stages import stage_cases, time_choice
 from .stock import StockOptions, _items, _release, _step_benchmarks, _versions, log
 from .floor import capture, measure_read_bandwidth, time_replays
@@ -139,7 +140,7 @@ STAGE_TARGETS = (
 )
 """The issue's H200 targets that a stage row measures: each its own launches in the graph of a step, against
 the bandwidth measured in the same process. (The launch-level ones, a single FP8 projection or one
-sublayer's projections in one launch at >= 85 %, are the sweep's: `glm5next.bench.sweep`.)"""
+sublayer's projections in one launch at >= 85 %, are the sweep's: `benchmarks/sweep.py`.)"""
 
 
 def stage_targets(steps: list[dict]) -> list[dict]:
@@ -206,8 +207,8 @@ def _stage_rows(model, m: int, policy: Policy, bandwidth: float) -> list[dict]:
 
 
 def tune_policy(model, sizes, replays: int = 20, stages=None) -> tuple[Policy, dict]:
-    """Time every choice (stock included) of every stage (of `stages`, when given) at every size; the
-    fastest wins."""
+    """Time every choice (stock included) of every stage (of `stages`, when given) at every size; the fastest
+    wins, named by the first choice whose launches equal its own (`merge_equal_choices`)."""
     tables, times = {}, {}
     for m in sizes:
         for case in stage_cases(model, m, stages):
@@ -223,4 +224,8 @@ def tune_policy(model, sizes, replays: int = 20, stages=None) -> tuple[Policy, d
             times.setdefault(case.stage, {})[str(m)] = measured
             log(f"M={m} {case.stage:14s} -> {best:8s} " + "  ".join(f"{c} {t:.1f} us" for c, t in measured.items())
                 + _subtracted(case))
+    # Choices whose launches are equal at a size are one: the first of them (in `STAGES` order) is kept,
+    # so timing noise between equal launches never becomes a choice.
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    tables = merge_equal_choices(tables, model.config, sms)
     return Policy(tables, source="tuned"), times

@@ -7,7 +7,7 @@ same for inputs that stock code produces in a step:
 
 - `rms_norm`: `glm5next.model.norm.rms_norm` of rows (in the DSA attention, the q_a norm, whose output
   the q_b and the indexer's wq_b read), in one launch instead of the stock code's chain of elementwise
-  ones; `rms_norm_pair` two such norms of the same rows in one launch (the q_a and kv_a norms);
+  ones;
 - `cast`: `x.to(dtype)` of a strided `[T, H, V]` (or `[T, C]`) fp32 tensor into a contiguous
   `[T, H*V]` one (the attention's values before the o_proj), the cast and the reshape's copy in one launch.
 
@@ -46,19 +46,6 @@ def _norm_row(x_ptr, w_ptr, out_ptr, out16_ptr, row, D, stride_x, eps, x16, BLOC
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, out16_ptr, D, stride_x, eps, x16, BLOCK_D: tl.constexpr):
     """One row per program."""
     _norm_row(x_ptr, w_ptr, out_ptr, out16_ptr, tl.program_id(0), D, stride_x, eps, x16, BLOCK_D)
-
-
-@triton.jit(do_not_specialize=["x16"])
-def _rms_norm_pair_kernel(x_ptr, w_ptr, out_ptr, out16_ptr, D, stride_x, eps, x16,
-                          y_ptr, wy_ptr, outy_ptr, DY, stride_y, eps_y,
-                          BLOCK_D: tl.constexpr, BLOCK_DY: tl.constexpr):
-    """Grid (T, 2): program (t, 0) normalises row t of x (with its fp16 copy where x16), (t, 1) row t of y;
-    each row as `_rms_norm_kernel` does it alone, with its own width's block, so the same bits."""
-    row = tl.program_id(0)
-    if tl.program_id(1) == 0:
-        _norm_row(x_ptr, w_ptr, out_ptr, out16_ptr, row, D, stride_x, eps, x16, BLOCK_D)
-    else:
-        _norm_row(y_ptr, wy_ptr, outy_ptr, outy_ptr, row, DY, stride_y, eps_y, 0, BLOCK_DY)
 
 
 @triton.jit(do_not_specialize=["x16"])
@@ -113,29 +100,6 @@ def _check_norm_input(x: torch.Tensor, weight: torch.Tensor, name: str) -> None:
     if weight.shape != (x.shape[1],) or weight.device != x.device or weight.stride(0) != 1:
         raise ValueError(f"weight must be a [{x.shape[1]}] vector on {x.device} (the norm of {name}), got "
                          f"{tuple(weight.shape)}")
-
-
-def rms_norm_pair(x: torch.Tensor, weight: torch.Tensor, eps: float, y: torch.Tensor, weight_y: torch.Tensor,
-                  eps_y: float, out16: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                  out_y: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`rms_norm(x, weight, eps, out16, out)` and `rms_norm(y, weight_y, eps_y, out=out_y)` of the same rows T
-    (widths may differ) in one launch, each the same bits as alone."""
-    _check_norm_input(x, weight, "x")
-    _check_norm_input(y, weight_y, "y")
-    if y.shape[0] != x.shape[0] or y.device != x.device:
-        raise ValueError(f"x and y must have the same rows on one device, got {tuple(x.shape)} on {x.device} and "
-                         f"{tuple(y.shape)} on {y.device}")
-    (T, D), DY = x.shape, y.shape[1]
-    out = _output(out, "out", x.dtype, (T, D), x.device)
-    out_y = _output(out_y, "out_y", y.dtype, (T, DY), y.device)
-    if out16 is not None:
-        _output(out16, "out16", torch.float16, (T, D), x.device)
-    if T:
-        _rms_norm_pair_kernel[(T, 2)](x, weight, out, _copy_or_stand_in(out16, out), D, x.stride(0), eps,
-                                      int(out16 is not None), y, weight_y, out_y, DY, y.stride(0), eps_y,
-                                      BLOCK_D=triton.next_power_of_2(D), BLOCK_DY=triton.next_power_of_2(DY),
-                                      num_warps=4)
-    return out, out_y
 
 
 CAST_BLOCK = 1024

@@ -6,15 +6,11 @@ DSA: q_a|kv_a|indexer wk) in one launch, and the rest one launch each; "grouped-
 the group launched as a programmatic dependent of the kernel before it (in a step, the fused boundary,
 which releases its dependents as it starts), so the group's weights stream into L2 while the boundary
 runs; "grouped-overlap" the same with the boundary releasing the group only once its partial products
-are stored, so that prefetch runs beside the boundary's finisher rather than its loads; "grouped-hold"
-as "grouped-overlap" with every program of the group loading the weight tiles of its first `GROUP_HOLD`
-K steps (at 1-16 rows, for the DSA group, all of its steps) into registers before its wait (`LaunchPlan.hold`), so that after the boundary only the
-activations of those steps are read; "single" runs every projection in its own launch. The weights stay where the backbone keeps them. A launch whose
+are stored, so that prefetch runs beside the boundary's finisher rather than its loads; "single" runs every projection in its own launch. The weights stay where the backbone keeps them. A launch whose
 input has an fp16 copy filed (`Fp16Copies`) reads that. The boundary writes one where the group reads it;
 in a DSA layer whose projections are routed, the q_a norm runs as one kernel (`NormRoute`, as does the
 kv_a norm) that writes one where the q_b or the indexer's wq_b reads it, and the cast of the attention's
-values before the o_proj (`CastRoute`) writes one where the o_proj reads it; where the group runs as one
-launch, the q_a and kv_a norms can run as one kernel (`NormPair`, `NORM_PAIR`).
+values before the o_proj (`CastRoute`) writes one where the o_proj reads it.
 """
 
 from __future__ import annotations
@@ -35,19 +31,11 @@ KDA_SINGLES = ("f_b_proj", "g_b_proj", "o_proj")
 DSA_GROUP = ("q_a_proj", "kv_a_proj_with_mqa", "indexer.wk")
 DSA_SINGLES = ("q_b_proj", "o_proj", "indexer.wq_b")
 STAGE_OF = {KDA: "kda_proj", DSA: "dsa_proj"}
-GROUPED = ("grouped", "grouped-early", "grouped-overlap", "grouped-hold")
-EARLY = ("grouped-early", "grouped-overlap", "grouped-hold")
+GROUPED = ("grouped", "grouped-early", "grouped-overlap")
+EARLY = ("grouped-early", "grouped-overlap")
 """The choices that launch the group as a programmatic dependent of the boundary before it."""
-RELEASE_LATE = ("grouped-overlap", "grouped-hold")
+RELEASE_LATE = ("grouped-overlap",)
 """The choices whose boundary releases the group only after its partial products."""
-NORM_PAIR = False
-"""Whether a DSA layer whose projection group runs as one launch normalises its q_a and kv_a outputs in one
-kernel (`NormPair`) instead of one each. Off until the GPU tests have run it (the pair kernel gives each norm's
-bits alone in the interpreter and compiles for sm_90, 32 registers)."""
-GROUP_HOLD = {"grouped-hold": 4}
-"""Choice -> K steps a group program holds in registers (fewer where its tiles would pass `HOLD_BYTES`).
-The DSA group at 1-16 rows has 4 steps a program: all held, nothing streams after the wait, and an sm_90
-compile of it takes 149 registers a thread (3 programs per SM: its 280 programs in one wave)."""
 
 
 def _get(module, path: str):
@@ -111,42 +99,6 @@ class NormRoute:
         return self.filed(rms_norm(x, self.norm.weight, self.norm.eps, out16), out16)
 
 
-class NormPair:
-    """A DSA layer's q_a and kv_a norms in one launch (`rms_norm_pair`) where its projection group runs as one
-    launch: the q_a norm's call (the forward's first) finds the kv_a output of the group launch that produced
-    its input and normalises it too; the kv_a norm's call on that output then returns the result. Either norm
-    called on anything else runs alone (`NormRoute`)."""
-
-    Q, KV = DSA_GROUP.index("q_a_proj"), DSA_GROUP.index("kv_a_proj_with_mqa")
-    """The q_a and kv_a projections' places in the group."""
-
-    def __init__(self, q_norm: RMSNorm, kv_norm: RMSNorm, group: "GroupRoute", copies: Fp16Copies | None = None,
-                 copy: bool = False) -> None:
-        self.q_alone, self.kv_alone = NormRoute(q_norm, copies, copy), NormRoute(kv_norm)
-        self.group = group
-        self._kv_in: torch.Tensor | None = None
-        self._kv_out: torch.Tensor | None = None
-
-    def first(self, x: torch.Tensor) -> torch.Tensor:
-        from ..kernels.producers import rms_norm_pair
-
-        outs = self.group.outputs_of(x, self.Q)
-        kv = None if outs is None else outs[self.KV]
-        if kv is None or not (_rows(x) and _rows(kv)) or kv.dtype != x.dtype:
-            return self.q_alone(x)
-        q, k = self.q_alone.norm, self.kv_alone.norm
-        out16 = self.q_alone.copy_for(x)
-        out, self._kv_out = rms_norm_pair(x, q.weight, q.eps, kv, k.weight, k.eps, out16)
-        self._kv_in = kv
-        return self.q_alone.filed(out, out16)
-
-    def second(self, x: torch.Tensor) -> torch.Tensor:
-        if x is self._kv_in:
-            out, self._kv_in, self._kv_out = self._kv_out, None, None
-            return out
-        return self.kv_alone(x)
-
-
 class CastRoute:
     """The cast of a module's input (`glm5next.model.routing.cast_input`) as one kernel that writes the
     result contiguous, flattened to [T, -1] (the module's input is that view of it), and its fp16 copy,
@@ -177,22 +129,17 @@ class GroupRoute:
         self._x: torch.Tensor | None = None
         self._outs: list[torch.Tensor] = []
 
-    def member(self, i: int, early: bool = False, hold: int = 0):
-        return lambda x: self._get(i, x, early, hold)
+    def member(self, i: int, early: bool = False):
+        return lambda x: self._get(i, x, early)
 
-    def _get(self, i: int, x: torch.Tensor, early: bool = False, hold: int = 0) -> torch.Tensor:
+    def _get(self, i: int, x: torch.Tensor, early: bool = False) -> torch.Tensor:
         if self._x is not x:
             from ..kernels.linear import skinny_linear_multi
 
             x16 = None if self.copies is None else self.copies.get(x)
-            self._outs = skinny_linear_multi(x, self.projections, pdl=True if early else None, x16=x16,
-                                             hold=hold or None)
+            self._outs = skinny_linear_multi(x, self.projections, pdl=True if early else None, x16=x16)
             self._x = x
         return self._outs[i]
-
-    def outputs_of(self, y: torch.Tensor, i: int) -> list[torch.Tensor] | None:
-        """The outputs of this group's last launch, where `y` is its i-th (else None)."""
-        return self._outs if self._outs and self._outs[i] is y else None
 
     def reset(self) -> None:
         self._x, self._outs = None, []
@@ -212,8 +159,6 @@ class ProjectionRoutes:
         """layer index -> the stage of its routed projection group, and the group."""
         self.dsa_attns = []
         """The attention modules of the DSA layers whose projections the policy may route."""
-        self.dsa_groups: dict[int, GroupRoute] = {}
-        """id of a DSA attention -> its projection group, where its members can run as one launch."""
         for layer in layers:
             stage = STAGE_OF[layer.layer_kind]
             if not policy.enabled(stage):
@@ -226,8 +171,6 @@ class ProjectionRoutes:
             if all(routable(m, dtype) for m in group) and len({m.weight.dtype for m in group}) == 1:
                 self.groups[stage].append(GroupRoute(group, copies))
                 self.grouped_layers[layer.layer_idx] = (stage, self.groups[stage][-1])
-                if stage == "dsa_proj":
-                    self.dsa_groups[id(attn)] = self.groups[stage][-1]
             else:
                 self.singles[stage] += [m for m in group if routable(m, dtype)]
             self.singles[stage] += [m for m in (_get(attn, n) for n in single_names) if routable(m, dtype)]
@@ -241,7 +184,7 @@ class ProjectionRoutes:
             if choice in GROUPED:
                 for g in self.groups[stage]:
                     for i, m in enumerate(g.members):
-                        table[id(m)] = g.member(i, early=choice in EARLY, hold=GROUP_HOLD.get(choice, 0))
+                        table[id(m)] = g.member(i, early=choice in EARLY)
                 for m in self.singles[stage]:
                     table[id(m)] = SingleRoute(m, self.copies)
             elif choice == "single":
@@ -263,13 +206,8 @@ class ProjectionRoutes:
             return id(m) in table and reads_x16(tokens, [m.weight], self.dtype)
 
         copy = reads(attn.q_b_proj) or reads(attn.indexer.wq_b)
-        group = self.dsa_groups.get(id(attn)) if grouped and NORM_PAIR else None
-        if group is not None:
-            pair = NormPair(attn.q_a_layernorm, attn.kv_a_layernorm, group, self.copies, copy)
-            routes = {id(attn.q_a_layernorm): pair.first, id(attn.kv_a_layernorm): pair.second}
-        else:
-            routes = {id(attn.q_a_layernorm): NormRoute(attn.q_a_layernorm, self.copies, copy),
-                      id(attn.kv_a_layernorm): NormRoute(attn.kv_a_layernorm)}
+        routes = {id(attn.q_a_layernorm): NormRoute(attn.q_a_layernorm, self.copies, copy),
+                  id(attn.kv_a_layernorm): NormRoute(attn.kv_a_layernorm)}
         if self.copies is not None and reads(attn.o_proj):
             routes[("input", id(attn.o_proj))] = CastRoute(self.copies)
         return routes

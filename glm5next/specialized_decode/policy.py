@@ -26,8 +26,8 @@ STOCK = "stock"
 
 STAGES: dict[str, tuple[str, ...]] = {
     "boundary": ("fused", "fused-deferred"),
-    "kda_proj": ("grouped", "grouped-early", "grouped-overlap", "grouped-hold", "single"),
-    "dsa_proj": ("grouped", "grouped-early", "grouped-overlap", "grouped-hold", "single"),
+    "kda_proj": ("grouped", "grouped-early", "grouped-overlap", "single"),
+    "dsa_proj": ("grouped", "grouped-early", "grouped-overlap", "single"),
     "dense_mlp": ("fused", "fused-overlap"),
     "shared_expert": ("fused", "fused-overlap"),
     "moe": ("grouped",),

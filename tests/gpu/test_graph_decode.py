@@ -8,7 +8,7 @@ from glm5next.model.backbone import Glm5NextModel
 from glm5next.runtime.cache import ModelCache
 from glm5next.runtime.runner import DEFAULT_CAPTURE_SIZES, Runner, Sequence
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 NUM_SEQS = 64
 

@@ -16,6 +16,7 @@ from glm5next.kernels.boundary import mhc_boundary, mhc_first, mhc_last
 from glm5next.kernels.boundary import reference as ref
 
 pytestmark = [
+    pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
     pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs TRITON_INTERPRET=0"),
 ]
@@ -48,14 +49,10 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-@pytest.mark.parametrize("form", ["tiles", "scalar", "finishers"])
 @pytest.mark.parametrize("T", TOKENS)
-def test_boundary_first_last_match_reference(T, form, monkeypatch):
-    """Each token count against the reference, with the finisher as shipped, with `FINISH_SCALAR`
-    (which one-token blocks, up to 16 tokens, then take) and with `TOKEN_FINISHERS` (blocks of up to 8
-    tokens, each token finished on a program of its own; the last layer keeps its finisher)."""
-    monkeypatch.setattr(fused, "FINISH_SCALAR", form != "tiles")
-    monkeypatch.setattr(fused, "TOKEN_FINISHERS", form == "finishers")
+def test_boundary_first_last_match_reference(T):
+    """Each token count against the reference (one-token blocks, up to 16 tokens, finish by scalars; the
+    last layer and blocks of several tokens by tiles)."""
     g = torch.Generator().manual_seed(T)
     mixer, nxt = _mixer(g), _mixer(g)
     out, streams, post, comb = _inputs(T, g, mixer)
@@ -82,12 +79,10 @@ def test_boundary_first_last_match_reference(T, form, monkeypatch):
     assert _rel(hidden, ref.mhc_last(out, streams, post, comb, nxt[3], norm_eps=KW["norm_eps"])) <= 2e-2
 
 
-@pytest.mark.parametrize("finishers", [False, True], ids=["shipped", "finishers"])
 @pytest.mark.parametrize("T", [1, 3, 8, 64])
-def test_graph_replay_matches_eager(T, finishers, monkeypatch):
-    """Captured and replayed with new inputs: the same bits as eager launches (with `TOKEN_FINISHERS`
-    too, whose counters the launch must leave reset for the next replay)."""
-    monkeypatch.setattr(fused, "TOKEN_FINISHERS", finishers)
+def test_graph_replay_matches_eager(T):
+    """Captured and replayed with new inputs: the same bits as eager launches (the ticket counters left
+    reset for the next replay)."""
     g = torch.Generator().manual_seed(100 + T)
     mixer, nxt = _mixer(g), _mixer(g)
     static = _inputs(T, g, mixer)
@@ -121,19 +116,15 @@ def test_graph_replay_matches_eager(T, finishers, monkeypatch):
 
 
 @pytest.mark.parametrize("mode", [True, "late", "deferred"])
-@pytest.mark.parametrize("T, scalar", [(1, False), (5, False), (24, False), (64, False), (1, True), (5, True),
-                                      (1, "finishers"), (5, "finishers"), (16, "finishers")])
-def test_programmatic_chain_in_a_graph_equals_the_plain_chain(T, scalar, mode, monkeypatch):
+@pytest.mark.parametrize("T, scalar", [(1, False), (24, False), (64, False), (1, True), (5, True)])
+def test_programmatic_chain_in_a_graph_equals_the_plain_chain(T, scalar, mode):
     """first -> boundary -> boundary -> last with every launch a programmatic dependent of the one before
     (each reads what the previous wrote, and prefetches its mixer before waiting for it; "late": each
     releases the next only after its partial products; "deferred": each comb left pending for the next
     launch to finish), captured and replayed with new inputs: every output equals the eager chain of
-    plain launches bit for bit (a pending comb, once finished, the plain comb to 1e-5); with the
-    finisher as shipped and with `FINISH_SCALAR` (then at chunks of 32 columns, where deferred launches
-    finish by scalars too, so both chains take the same finisher); "finishers": with `TOKEN_FINISHERS`,
-    blocks of up to 8 tokens whose tokens each finish on a program of their own, in both chains."""
-    monkeypatch.setattr(fused, "FINISH_SCALAR", bool(scalar))
-    monkeypatch.setattr(fused, "TOKEN_FINISHERS", scalar == "finishers")
+    plain launches bit for bit (a pending comb, once finished, the plain comb to 1e-5); `scalar`: at
+    chunks of 32 columns (the default at up to 4 tokens), where deferred one-token launches finish by
+    scalars as plain ones do, so both chains take the same finisher; from 17 tokens both finish by tiles."""
     g = torch.Generator().manual_seed(200 + T)
     mixers = [_mixer(g) for _ in range(3)]
     emb = torch.randn(T, D, generator=g).to(torch.bfloat16).cuda()
@@ -172,25 +163,6 @@ def test_programmatic_chain_in_a_graph_equals_the_plain_chain(T, scalar, mode, m
                 assert (got - want).abs().max() <= 1e-5, k
             else:
                 assert torch.equal(got, want), k
-
-
-@pytest.mark.parametrize("rcp", [True, False])
-@pytest.mark.parametrize("T", [1, 8, 64])
-def test_sinkhorn_by_either_reciprocal_matches_reference(monkeypatch, T, rcp):
-    """`SINKHORN_RCP`: Sinkhorn's reciprocals by rcp.approx (the default) or by the division sequence
-    hold the same tolerances against the fp32 reference applied to the kernel's own streams, for
-    boundary and first."""
-    monkeypatch.setattr(fused, "SINKHORN_RCP", rcp)
-    g = torch.Generator().manual_seed(300 + T)
-    mixer, nxt = _mixer(g), _mixer(g)
-    out, streams, post, comb = _inputs(T, g, mixer)
-    fn, base, scale, _ = nxt
-    weights = dict(hc_eps=KW["hc_eps"], rms_eps=KW["rms_eps"], sinkhorn_iters=KW["sinkhorn_iters"],
-                   post_mult=KW["post_mult"])
-    for got in (mhc_boundary(out, streams, post, comb, *nxt, **KW), mhc_first(out, *nxt, **KW)):
-        _, own_post, own_comb = ref.hc_weights(got[0], fn, base, scale, **weights)
-        torch.testing.assert_close(got[1], own_post, rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(got[2], own_comb, rtol=1e-3, atol=1e-4)
 
 
 @pytest.mark.parametrize("T", TOKENS)

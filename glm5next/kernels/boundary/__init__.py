@@ -18,7 +18,6 @@ import torch
 import triton
 
 from .. import pdl as _pdl
-from .. import stamps as _stamps
 from .kernel import mhc_kernel
 
 __all__ = ["mhc_boundary", "mhc_first", "mhc_last", "plan"]
@@ -39,56 +38,22 @@ def _p2(x: int) -> int:
 
 
 SINKHORN_IN_REGISTERS: bool | None = None
-"""n = 4 Sinkhorn as 16 register values (the GPU's path) or as [n, n] tiles (the interpreter's:
-far fewer operations); None picks by device. Tests set it to check the GPU path on the CPU."""
-SINKHORN_RCP = True
-"""On the GPU's register path, each normalisation's reciprocal by the hardware's approximate `rcp`
-(within 1 ulp; the default division is within 2) instead of the division sequence: a shorter chain
-for Sinkhorn's 38 dependent normalisations (the H200 sweep of 2026-12-04 timed 64 boundaries in a row,
-launched as programmatic dependents, at 8.13 -> 7.55 us each at 1 token, 10.07 -> 9.41 us at 8)."""
+"""n = 4 Sinkhorn as 16 register values (the GPU's path, each normalisation's reciprocal by the hardware's
+approximate `rcp`, within 1 ulp: the H200 sweep of 2026-12-04 timed 64 boundaries in a row at 8.13 -> 7.55 us
+each at 1 token against the division sequence) or as [n, n] tiles (the interpreter's: far fewer operations);
+None picks by device. Tests set it to check the register path (without `rcp`) on the CPU."""
 
 NUM_WARPS = 4
 """Warps per program (the finisher's collapse and norm spread over them; Sinkhorn runs on every thread)."""
-FINISH_BY_TOKEN: bool | None = False
-"""Whether the finisher of a multi-token block collapses and normalises one token at a time with the
-row in registers (rows up to 4096 wide) instead of storing the collapsed rows and reading them back;
-None: on the GPU. Off until the H200 has timed it (compiled for sm_90 without spills at 2 tokens per
-block); the tiling sweep times both, the tests check it on the CPU."""
 
 
-TOKEN_FINISHERS = False
-"""Whether a boundary (or the first layer's launch; not the last layer's, which has no mixer) finishes each
-token on a program of its own: the grid gets, per token block, one finisher program per token beside the
-chunk programs; each waits (spinning on the block's ticket counter) for the block's chunk programs, then
-finishes its token as the scalar finisher does (`kernel._token_finisher`). Blocks of several tokens then
-read each chunk of the mixer once for all their tokens without finishing them one after another on one
-SM. Needs n = 4, Sinkhorn in registers and rows of at most 4096; from 2 tokens (a caller's `finishers` at any
-count). Off: the H200 has not timed it (the tiling sweep's `--finishers` does); on the GPU it then takes blocks
-of up to `FINISHER_BLOCK_T` tokens."""
-FINISHER_BLOCK_T = 8
-"""The token block of a launch with token finishers when the caller gives none (GPU)."""
-FINISHER_CHUNK = 64
-"""The chunk of the hidden size of a launch with token finishers when the caller gives none (GPU)."""
-
-
-def plan(T: int, D: int, n: int, on_gpu: bool, block_t: int | None = None, chunk: int | None = None,
-         finishers: bool | None = None) -> dict:
-    """Tile sizes: token block BT, chunk of D per program (SUB * NSUB), finisher tiles NCB and FIN, and
-    FINISHERS, whether each token finishes on a program of its own (`finishers`; None: `TOKEN_FINISHERS`,
-    where the launch allows it)."""
+def plan(T: int, D: int, n: int, on_gpu: bool, block_t: int | None = None, chunk: int | None = None) -> dict:
+    """Tile sizes: token block BT, chunk of D per program (SUB * NSUB), finisher tiles NCB and FIN, and SK4,
+    Sinkhorn's form (0 [n, n] tiles, 1 registers, 2 registers with the approximate reciprocal)."""
     rows = _p2(n + 3)
     w = rows * n
-    # Sinkhorn's form: 0 [n, n] tiles, 1 registers, 2 registers with the approximate reciprocal.
     regs = on_gpu if SINKHORN_IN_REGISTERS is None else SINKHORN_IN_REGISTERS
-    sk4 = (2 if on_gpu and SINKHORN_RCP else 1) if regs else 0
-    # The module's flag applies from 2 tokens (one token gains nothing from a program of its own); a caller's
-    # `finishers` at any count.
-    want = (TOKEN_FINISHERS and T > 1) if finishers is None else finishers
-    fin = bool(want) and n == 4 and sk4 > 0 and _p2(D) <= 4096
-    if block_t is None and fin and on_gpu:
-        block_t = min(_p2(T), FINISHER_BLOCK_T)
-    if chunk is None and fin and on_gpu:
-        chunk = FINISHER_CHUNK
+    sk4 = (2 if on_gpu else 1) if regs else 0
     if block_t is None:
         # On an H200 one token per program is fastest up to 16 tokens (the finisher's work is per
         # token block and runs on one SM; at 16 with deferred Sinkhorn, 12.2 us against 14.5 on
@@ -111,68 +76,42 @@ def plan(T: int, D: int, n: int, on_gpu: bool, block_t: int | None = None, chunk
     # Registers bound the GPU's sub-tile; the interpreter pays per operation, so one sub-tile per chunk.
     sub = min(chunk, max(16, min(64, 2048 // (bt * w)))) if on_gpu else chunk
     nc = triton.cdiv(D, chunk)
-    if fin:  # every finisher takes one token, its whole row in registers
-        return dict(ROWS=rows, BT=bt, SUB=sub, NSUB=chunk // sub, NC=nc, NT=triton.cdiv(T, bt),
-                    NCB=min(_p2(nc), max(1, 1024 // w)), FIN=_p2(D), SK4=sk4, BY_TOKEN=False, FINISHERS=True)
-    # The finisher of a block of several tokens: token by token with a whole row in registers, or the
-    # whole block in FIN-wide tiles (the collapsed rows stored, then read back for the norm).
-    by_token = bt > 1 and _p2(D) <= 4096 and (on_gpu if FINISH_BY_TOKEN is None else FINISH_BY_TOKEN)
+    # The finisher of a block of several tokens takes the whole block in FIN-wide tiles (the collapsed rows
+    # stored, then read back for the norm).
     return dict(
         ROWS=rows, BT=bt, SUB=sub, NSUB=chunk // sub, NC=nc, NT=triton.cdiv(T, bt),
-        NCB=min(_p2(nc), max(1, 1024 // (bt * w))),
-        FIN=_p2(D) if by_token else min(_p2(D), max(16, 4096 // bt)),
-        SK4=sk4, BY_TOKEN=by_token, FINISHERS=False,
+        NCB=min(_p2(nc), max(1, 1024 // (bt * w))), FIN=min(_p2(D), max(16, 4096 // bt)), SK4=sk4,
     )
 
 
-FINISH_SCALAR = True
-"""Whether the finisher of a one-token block (n = 4, the GPU's register form of Sinkhorn, not the last
-layer) takes the mixer's outputs as scalars in every thread (`kernel._finish_token`) instead of small
-tiles whose every sum is a cross-lane reduction; with deferred Sinkhorn only at chunks of at most 32
-columns. The H200 sweep of 2026-12-05 (64 boundaries in a row, one token per program) timed it at 1 / 4
-/ 8 / 16 tokens, chunk 32: 7.81 -> 6.80, 8.71 -> 7.59, 11.64 -> 11.18, 19.33 -> 17.47 us; chunk 64:
-0.17-0.34 us faster, 128: within 0.1. Deferred, it won only at chunk 32 (0.5-0.9 us) and lost 0.1-0.6 us
-at 64 and 128 (`finishes_by_scalars`). The tiling sweep times both (`--finish-scalar`)."""
-
-FP_FUSION = False
-"""Whether ptxas may contract a product and a following sum into an FMA. Off: each compiled form of
-the kernel (plain, programmatic, late release, deferred Sinkhorn) then gives the same bits, which they
-did not with it on (H200, 2026-12-04). The tiling sweep's `--fp-fusion` times both forms."""
-
-STAMPS: torch.Tensor | None = None
-"""A buffer from `glm5next.kernels.stamps.buffer` (one row per program: NC x token blocks): the next
-launch writes its programs' timestamps there (GPU only; for the overlap benchmark). None: no stamps."""
-
-PDL: bool | None = None
-"""Launch as programmatic dependents (see `glm5next.kernels.pdl`): each program fetches its chunk of
-the mixer into L2 while the previous kernel finishes. None: wherever the device supports it (the H200
-sweep of 2026-12-04 timed 64 boundaries in a row at 8.6 -> 8.2 us each at 1 token, 11.6 -> 10.1 us at 8)."""
-
-
 def finishes_by_scalars(p: dict, mode: int, n: int, D: int, defer: bool = False) -> bool:
-    """Whether a launch of plan `p` finishes with the mixer's outputs as scalars (`FINISH_SCALAR`): one
-    token per block, n = 4, Sinkhorn in registers, the row in one finisher tile, a mixer (mode 0 the
-    boundary, 1 the first layer; not 2, the last layer); where Sinkhorn is deferred (`defer`), only at
-    chunks of at most 32 columns."""
-    return (bool(FINISH_SCALAR) and mode != 2 and n == 4 and p["BT"] == 1 and p["SK4"] > 0 and p["FIN"] >= D
+    """Whether a launch of plan `p` finishes with the mixer's outputs as scalars in every thread
+    (`kernel._finish_token`) instead of small tiles whose every sum is a cross-lane reduction: one token per
+    block, n = 4, Sinkhorn in registers, the row in one finisher tile, a mixer (mode 0 the boundary, 1 the
+    first layer; not 2, the last layer); where Sinkhorn is deferred (`defer`), only at chunks of at most 32
+    columns. The H200 sweep of 2026-12-05 (64 boundaries in a row, one token per program) timed it at 1 / 4 /
+    8 / 16 tokens, chunk 32: 7.81 -> 6.80, 8.71 -> 7.59, 11.64 -> 11.18, 19.33 -> 17.47 us; deferred, it won
+    only at chunk 32 (0.5-0.9 us) and lost 0.1-0.6 us at 64 and 128."""
+    return (mode != 2 and n == 4 and p["BT"] == 1 and p["SK4"] > 0 and p["FIN"] >= D
             and (not defer or p["SUB"] * p["NSUB"] <= 32))
 
 
 def _launch(mode, out, streams, post, comb, fn, base, scale, w, new_streams, new_post, new_comb, x,
             hc_eps, rms_eps, norm_eps, sinkhorn_iters, post_mult, block_t, chunk, pdl, defer=False, pending_iters=0,
-            x16=None, finishers=None):
+            x16=None):
     """`defer`: the finisher leaves new_comb pending (one Sinkhorn iteration); `pending_iters`: the
-    iterations `comb` still needs (0: it is final); `x16`: a buffer for x in fp16 as well; `finishers`: token
-    finishers (`TOKEN_FINISHERS`) or not, None: the module's choice."""
+    iterations `comb` still needs (0: it is final); `x16`: a buffer for x in fp16 as well. `pdl` None launches
+    as a programmatic dependent wherever the device supports it (the H200 sweep of 2026-12-04 timed 64
+    boundaries in a row at 8.6 -> 8.2 us each at 1 token, 11.6 -> 10.1 us at 8). Compiled without
+    floating-point contraction, so that every compiled form gives the same bits."""
     T, D = out.shape
     n = streams.shape[1] if new_streams is None else new_streams.shape[1]
     if not 1 <= T:
         raise ValueError("need at least one token")
-    # The last layer's launch (mode 2) has no mixer to finish: no token finishers there.
-    p = plan(T, D, n, out.is_cuda, block_t, chunk, finishers if mode != 2 else False)
+    p = plan(T, D, n, out.is_cuda, block_t, chunk)
     nt = p.pop("NT")
-    if nt > MAX_TICKETS // 2:  # with token finishers, the upper half holds their own counters
-        raise ValueError(f"{T} tokens need {nt} ticket counters (max {MAX_TICKETS // 2})")
+    if nt > MAX_TICKETS:
+        raise ValueError(f"{T} tokens need {nt} ticket counters (max {MAX_TICKETS})")
     for t in (new_streams, new_post, new_comb, x):
         if t is not None and not t.is_contiguous():
             raise ValueError("output buffers must be contiguous")
@@ -184,24 +123,21 @@ def _launch(mode, out, streams, post, comb, fn, base, scale, w, new_streams, new
     dummy = out
     if pdl not in (None, False, True, "late"):
         raise ValueError(f"pdl must be a bool or 'late', got {pdl!r}")
-    want = PDL if pdl is None else pdl  # None: wherever the device has it
     late = pdl == "late"
-    pdl = want is not False and _pdl.enabled(out.device)
-    width = p["NC"] + (p["BT"] if p["FINISHERS"] else 0)  # programs per token block
-    stamped = _stamps.check(STAMPS, width * nt, out.device)
-    scalar = finishes_by_scalars(p, mode, n, D, defer) and not p["FINISHERS"]
-    mhc_kernel[(width, nt)](
+    pdl = pdl is not False and _pdl.enabled(out.device)  # None: wherever the device has it
+    scalar = finishes_by_scalars(p, mode, n, D, defer)
+    mhc_kernel[(p["NC"], nt)](
         out, dummy if streams is None else streams, dummy if post is None else post,
         dummy if comb is None else comb, dummy if fn is None else fn, dummy if base is None else base,
         dummy if scale is None else scale, w,
         dummy if new_streams is None else new_streams, dummy if new_post is None else new_post,
         dummy if new_comb is None else new_comb, x,
         part, _tickets(out.device),
-        T, float(hc_eps), float(rms_eps), float(norm_eps), float(post_mult), STAMPS if stamped else part,
+        T, float(hc_eps), float(rms_eps), float(norm_eps), float(post_mult),
         x if x16 is None else x16,
         D=D, N=n, MODE=mode, ITERS=1 if defer else int(sinkhorn_iters), PDL=pdl, RELEASE_LATE=pdl and late,
-        ITERS_IN=int(pending_iters), STAMP=stamped, X16=x16 is not None, SCALAR=scalar, DONE_AT=MAX_TICKETS // 2, **p,
-        num_warps=NUM_WARPS, enable_fp_fusion=FP_FUSION,
+        ITERS_IN=int(pending_iters), X16=x16 is not None, SCALAR=scalar, **p,
+        num_warps=NUM_WARPS, enable_fp_fusion=False,
         **({"launch_pdl": True} if pdl else {}),
     )
 
@@ -236,21 +172,20 @@ def mhc_boundary(
     out, streams, post, comb, fn, base, scale, norm_weight, *,
     hc_eps, rms_eps, norm_eps, sinkhorn_iters, post_mult,
     new_streams=None, new_post=None, new_comb=None, x=None, block_t=None, chunk=None,
-    pdl=None, defer_sinkhorn=False, comb_pending=False, x16=None, finishers=None,
+    pdl=None, defer_sinkhorn=False, comb_pending=False, x16=None,
 ):
     """(new_streams [T, n, D], new_post [T, n] fp32, new_comb [T, n, n] fp32, x [T, D]).
 
     new_streams = hc_post(out, streams, post, comb) in the streams' dtype; (pre, new_post,
     new_comb) = the next mixer's weights of the cast new_streams; x = rms_norm(collapse,
     norm_weight, norm_eps) in the model dtype. `fn` [(2+n)n, nD], `base`, `scale` fp32.
-    `pdl` (None: the module's `PDL`) launches it as a programmatic dependent; "late" does so and lets
+    `pdl` (None: wherever the device supports it) launches it as a programmatic dependent; "late" does so and lets
     the kernel after it start only once the partial products are stored (before the finisher).
     `defer_sinkhorn`: new_comb is left pending, after the first of the Sinkhorn iterations, for the
     next boundary (or `mhc_last`) to finish with `comb_pending` (`reference.finish_sinkhorn`): the
     chain of iterations then runs in that launch's chunk programs instead of this one's finisher.
     `x16`: a contiguous fp16 [T, D] buffer that receives x in fp16 too (exact where x is within fp16's
     range), for FP8 projections whose fp16 products read it (`glm5next.kernels.linear`'s `x16`).
-    `finishers`: each token finishes on a program of its own (`TOKEN_FINISHERS`, which None follows).
     """
     T, n, D = streams.shape
     _check_mixer(fn, base, scale, n, D)
@@ -259,7 +194,7 @@ def mhc_boundary(
     new_streams, new_post, new_comb, x = _buffers(out, streams.dtype, n, new_streams, new_post, new_comb, x)
     _launch(0, _c(out), _c(streams), _c(post), _c(comb), _c(fn), _c(base), _c(scale), _c(norm_weight),
             new_streams, new_post, new_comb, x, hc_eps, rms_eps, norm_eps, sinkhorn_iters, post_mult, block_t, chunk,
-            pdl, defer_sinkhorn, sinkhorn_iters - 1 if comb_pending else 0, x16, finishers)
+            pdl, defer_sinkhorn, sinkhorn_iters - 1 if comb_pending else 0, x16)
     return new_streams, new_post, new_comb, x
 
 
@@ -267,17 +202,17 @@ def mhc_first(
     embedded, fn, base, scale, norm_weight, *,
     hc_eps, rms_eps, norm_eps, sinkhorn_iters, post_mult,
     streams=None, post=None, comb=None, x=None, block_t=None, chunk=None, pdl=None, defer_sinkhorn=False,
-    x16=None, finishers=None,
+    x16=None,
 ):
     """(streams [T, n, D], post, comb, x) of the first layer: n copies of `embedded` [T, D], pre, norm
-    (`defer_sinkhorn`, `x16` and `finishers` as in `mhc_boundary`)."""
+    (`defer_sinkhorn` and `x16` as in `mhc_boundary`)."""
     T, D = embedded.shape
     n = fn.shape[1] // D
     _check_mixer(fn, base, scale, n, D)
     streams, post, comb, x = _buffers(embedded, embedded.dtype, n, streams, post, comb, x)
     _launch(1, _c(embedded), None, None, None, _c(fn), _c(base), _c(scale), _c(norm_weight),
             streams, post, comb, x, hc_eps, rms_eps, norm_eps, sinkhorn_iters, post_mult, block_t, chunk, pdl,
-            defer_sinkhorn, x16=x16, finishers=finishers)
+            defer_sinkhorn, x16=x16)
     return streams, post, comb, x
 
 

@@ -8,8 +8,7 @@ squares into a workspace row `part[t, c, :]` (slot a*n + b of the (2+n) x n mixe
 program that draws the last ticket resets the counter (so a CUDA graph can replay the launch)
 and finishes the block: it reduces the partials, computes pre/post/comb (Sinkhorn on registers
 for n = 4), collapses the new streams (hot in L2; read with .cg, past the incoherent L1) with
-the pre weights and applies the RMSNorm, in registers when a row fits in one FIN tile (with
-BY_TOKEN, one token of the block at a time).
+the pre weights and applies the RMSNorm, in registers when a row fits in one FIN tile.
 
 MODE 0: boundary; MODE 1: first layer (the streams are n copies of `out`); MODE 2: last layer
 (the mean of the new streams, then the final RMSNorm: only the sum-of-squares slot is used).
@@ -22,7 +21,7 @@ With PDL the launch is a programmatic dependent: each program prefetches its chu
 L2 and then waits for the previous kernel before its first read of an activation. It lets the next
 kernel start as it begins, or with RELEASE_LATE once its partial products are stored (the finisher,
 a latency-bound chain on one program per token block, then runs beside the next kernel's prefetch).
-The kernel is compiled without floating-point contraction (`FP_FUSION`, off but for the tiling sweep):
+The kernel is compiled without floating-point contraction:
 every sum and product rounds as written and the fused multiply-adds of the hot loops are explicit
 (tl.fma), so each compiled form (plain, programmatic, late release, deferred Sinkhorn) gives the same
 bits; with contraction on, ptxas fuses the remaining pairs differently in each.
@@ -36,7 +35,6 @@ import triton.language as tl
 from ..pdl import launch_dependents as _launch_dependents
 from ..pdl import prefetch_l2 as _prefetch_l2
 from ..pdl import wait_previous as _wait_previous
-from ..stamps import stamp as _stamp
 
 
 @triton.jit
@@ -129,10 +127,10 @@ def _pending_comb(comb_ptr, tok, tmask, hc_eps, N: tl.constexpr, ITERS_IN: tl.co
 def _mhc_finish(
     tok, tmask, kk,
     fn_ptr, base_ptr, scale_ptr, w_ptr, new_streams_ptr, new_post_ptr, new_comb_ptr, x_ptr, part_ptr, x16_ptr,
-    hc_eps, rms_eps, norm_eps, post_mult, stamp_ptr,
+    hc_eps, rms_eps, norm_eps, post_mult,
     D: tl.constexpr, N: tl.constexpr, ROWS: tl.constexpr, MODE: tl.constexpr, ITERS: tl.constexpr,
     BT: tl.constexpr, NC: tl.constexpr, NCB: tl.constexpr, FIN: tl.constexpr, SK4: tl.constexpr,
-    BY_TOKEN: tl.constexpr, X16: tl.constexpr, STAMP: tl.constexpr,
+    X16: tl.constexpr,
 ):
     W: tl.constexpr = ROWS * N
     SSQ: tl.constexpr = (2 + N) * N
@@ -143,7 +141,7 @@ def _mhc_finish(
         # tickets made visible) before the reductions and Sinkhorn below, which then cover their latency.
         d_row = tl.arange(0, FIN)
         w_row = tl.load(w_ptr + d_row, mask=d_row < D, other=0.0).to(tl.float32)
-        if MODE != 2 and not BY_TOKEN:
+        if MODE != 2:
             streams_row = tl.load(
                 new_streams_ptr + (tok[:, None, None] * N + jn[None, :, None]) * D + d_row[None, None, :],
                 mask=tmask[:, None, None] & (d_row < D)[None, None, :], other=0.0, cache_modifier=".cg")
@@ -179,33 +177,14 @@ def _mhc_finish(
         cm = tl.where(is_comb, e / tl.sum(e, axis=2)[:, :, None] + hc_eps, 0.0)
         cm = cm / (tl.sum(cm, axis=1)[:, None, :] + hc_eps)
         tl.store(new_post_ptr + tok[:, None] * N + jn[None, :], post, mask=tmask[:, None])
-        _stamp(stamp_ptr, 5, STAMP)  # MIXED
         if SK4 > 0 and N == 4:  # registers on the GPU; the interpreter prefers few vector operations
             _sinkhorn4(tl.reshape(cm, (BT, W)), tok, tmask, kk, new_comb_ptr, hc_eps, ITERS, SK4 == 2)
         else:
             cm = _iterate_tiles(cm, hc_eps, ITERS - 1)
             tl.store(new_comb_ptr + tok[:, None, None] * (N * N) + (a - 2) * N + b, cm,
                      mask=tmask[:, None, None] & is_comb)
-        _stamp(stamp_ptr, 6, STAMP)  # SINKHORN
         # Collapse sum_j pre[j] * streams[j] (cast to the model dtype) and its sum of squares.
-        if FIN >= D and BY_TOKEN:
-            # One token at a time, its row in registers: collapse, norm, store.
-            bt_i = tl.arange(0, BT)
-            for u in tl.static_range(BT):
-                t_u = tl.min(tok, axis=0) + u
-                ok = tl.sum(tl.where(bt_i == u, tmask.to(tl.int32), 0), axis=0) > 0
-                pre_u = tl.sum(tl.where(bt_i[:, None] == u, pre, 0.0), axis=0)
-                rm_u = (d_row < D) & ok
-                s_u = tl.load(new_streams_ptr + (t_u * N + jn[:, None]) * D + d_row[None, :],
-                              mask=rm_u[None, :], other=0.0, cache_modifier=".cg")
-                col_u = tl.sum(pre_u[:, None] * s_u.to(tl.float32), axis=0).to(dtype).to(tl.float32)
-                r_u = tl.rsqrt(tl.sum(col_u * col_u, axis=0) / D + norm_eps)
-                y_u = (col_u * r_u).to(dtype).to(tl.float32)
-                x_u = (w_row * y_u).to(dtype)
-                tl.store(x_ptr + t_u * D + d_row, x_u, mask=rm_u)
-                if X16:
-                    tl.store(x16_ptr + t_u * D + d_row, x_u.to(tl.float16), mask=rm_u)
-        elif FIN >= D:
+        if FIN >= D:
             col = tl.sum(pre[:, :, None] * streams_row.to(tl.float32), axis=1).to(dtype).to(tl.float32)
             r = tl.rsqrt(tl.sum(col * col, axis=1) / D + norm_eps)
         else:
@@ -223,10 +202,9 @@ def _mhc_finish(
                 xsq += col * col
             r = tl.rsqrt(tl.sum(xsq, axis=1) / D + norm_eps)
     if MODE != 2 and FIN >= D:
-        # The whole row is in registers: normalise it there (BY_TOKEN did so token by token above).
-        if not BY_TOKEN:
-            offs = tok[:, None] * D + d_row[None, :]
-            _norm_store(x_ptr + offs, x16_ptr + offs, col, r, w_row, tmask[:, None] & (d_row < D)[None, :], X16)
+        # The whole row is in registers: normalise it there.
+        offs = tok[:, None] * D + d_row[None, :]
+        _norm_store(x_ptr + offs, x16_ptr + offs, col, r, w_row, tmask[:, None] & (d_row < D)[None, :], X16)
     else:
         tl.debug_barrier()
         for f in tl.static_range(0, D, FIN):
@@ -244,9 +222,9 @@ def _mhc_finish(
 @triton.jit
 def _finish_token(
     t0, base_ptr, scale_ptr, w_ptr, new_streams_ptr, new_post_ptr, new_comb_ptr, x_ptr, part_ptr, x16_ptr,
-    hc_eps, rms_eps, norm_eps, post_mult, stamp_ptr,
+    hc_eps, rms_eps, norm_eps, post_mult,
     D: tl.constexpr, ROWS: tl.constexpr, ITERS: tl.constexpr, NC: tl.constexpr, NCB: tl.constexpr,
-    FIN: tl.constexpr, RCP: tl.constexpr, X16: tl.constexpr, STAMP: tl.constexpr,
+    FIN: tl.constexpr, RCP: tl.constexpr, X16: tl.constexpr,
 ):
     """The finisher of one token's block (n = 4 streams, the row in one tile), with the mixer's outputs
     as scalars: the chunk partials are summed once across the program, the 25 sums go to every thread
@@ -301,11 +279,9 @@ def _finish_token(
     for i in tl.static_range(4):  # then the first iteration's column normalisation
         for j in tl.static_range(4):
             cs = cs + (c[4 * i + j] / ((((c[j] + c[4 + j]) + c[8 + j]) + c[12 + j]) + hc_eps),)
-    _stamp(stamp_ptr, 5, STAMP)  # MIXED
     cs = _iterate4(cs, hc_eps, ITERS - 1, RCP)
     for q in tl.static_range(16):
         tl.store(new_comb_ptr + t0 * 16 + q, cs[q])
-    _stamp(stamp_ptr, 6, STAMP)  # SINKHORN
     # Collapse sum_j pre[j] * streams[j] (cast to the model dtype), then the norm.
     col = pre[0] * r0.to(tl.float32) + pre[1] * r1.to(tl.float32)
     col = (col + pre[2] * r2.to(tl.float32)) + pre[3] * r3.to(tl.float32)
@@ -335,15 +311,15 @@ def _chunk_program(
     fn_ptr, base_ptr, scale_ptr, w_ptr,
     new_streams_ptr, new_post_ptr, new_comb_ptr, x_ptr,
     part_ptr, ticket_ptr,
-    T, hc_eps, rms_eps, norm_eps, post_mult, stamp_ptr, x16_ptr,
+    T, hc_eps, rms_eps, norm_eps, post_mult, x16_ptr,
     D: tl.constexpr, N: tl.constexpr, ROWS: tl.constexpr, MODE: tl.constexpr, ITERS: tl.constexpr,
     BT: tl.constexpr, SUB: tl.constexpr, NSUB: tl.constexpr, NC: tl.constexpr, NCB: tl.constexpr,
-    FIN: tl.constexpr, SK4: tl.constexpr, BY_TOKEN: tl.constexpr, PDL: tl.constexpr,
-    RELEASE_LATE: tl.constexpr, ITERS_IN: tl.constexpr, STAMP: tl.constexpr,
-    X16: tl.constexpr, SCALAR: tl.constexpr, FINISHERS: tl.constexpr,
+    FIN: tl.constexpr, SK4: tl.constexpr, PDL: tl.constexpr,
+    RELEASE_LATE: tl.constexpr, ITERS_IN: tl.constexpr,
+    X16: tl.constexpr, SCALAR: tl.constexpr,
 ):
-    """Program (c, tb): chunk c of the hidden size for token block tb, then its ticket; without
-    FINISHERS the program that draws the block's last ticket finishes the block."""
+    """Program (c, tb): chunk c of the hidden size for token block tb, then its ticket; the program that
+    draws the block's last ticket finishes the block."""
     W: tl.constexpr = ROWS * N
     SSQ: tl.constexpr = (2 + N) * N
     CHUNK: tl.constexpr = SUB * NSUB
@@ -361,9 +337,7 @@ def _chunk_program(
         if MODE != 2 and D % 4 == 0:  # whole 16-byte pieces of fp32 rows
             rows = fn_ptr + kk[:, None] * (N * D) + tl.arange(0, N)[None, :] * D + c * CHUNK
             _prefetch_l2(rows, tl.minimum(CHUNK, D - c * CHUNK) * 4, (kk < SSQ)[:, None])
-        _stamp(stamp_ptr, 1, STAMP)
         _wait_previous()
-        _stamp(stamp_ptr, 2, STAMP)
     # A pending comb (ITERS_IN > 0) gets its remaining Sinkhorn iterations here: on the register
     # path once the first sub-tile's loads are in flight (below), else in tile form now.
     SK_HERE: tl.constexpr = ITERS_IN > 0 and SK4 > 0 and N == 4
@@ -416,69 +390,23 @@ def _chunk_program(
     tl.store(part_ptr + (tok[:, None] * NC + c) * W + kk[None, :], part, mask=tmask[:, None])
     # Every thread's stores precede the release of the ticket.
     tl.debug_barrier()
-    _stamp(stamp_ptr, 3, STAMP)
     if PDL and RELEASE_LATE:
         _launch_dependents()
     ticket = tl.atomic_add(ticket_ptr + tb, 1, sem="acq_rel")
-    if not FINISHERS:  # else the token finishers take over from here
-        if ticket == NC - 1:
-            tl.store(ticket_ptr + tb, 0)
-            _stamp(stamp_ptr, 4, STAMP)
-            if SCALAR:  # one token per block, n = 4, a row in one tile, Sinkhorn in registers; not the last layer
-                _finish_token(
-                    tb, base_ptr, scale_ptr, w_ptr, new_streams_ptr, new_post_ptr, new_comb_ptr, x_ptr, part_ptr, x16_ptr,
-                    hc_eps, rms_eps, norm_eps, post_mult, stamp_ptr, D, ROWS, ITERS, NC, NCB, FIN, SK4 == 2, X16, STAMP,
-                )
-            else:
-                _mhc_finish(
-                    tok, tmask, kk,
-                    fn_ptr, base_ptr, scale_ptr, w_ptr, new_streams_ptr, new_post_ptr, new_comb_ptr, x_ptr, part_ptr,
-                    x16_ptr, hc_eps, rms_eps, norm_eps, post_mult, stamp_ptr,
-                    D, N, ROWS, MODE, ITERS, BT, NC, NCB, FIN, SK4, BY_TOKEN, X16, STAMP,
-                )
-
-
-@triton.jit
-def _token_finisher(
-    c, tb, base_ptr, scale_ptr, w_ptr, new_streams_ptr, new_post_ptr, new_comb_ptr, x_ptr, part_ptr, ticket_ptr,
-    T, hc_eps, rms_eps, norm_eps, post_mult, stamp_ptr, x16_ptr,
-    D: tl.constexpr, ROWS: tl.constexpr, ITERS: tl.constexpr, BT: tl.constexpr, NC: tl.constexpr,
-    NCB: tl.constexpr, FIN: tl.constexpr, SK4: tl.constexpr, PDL: tl.constexpr, RELEASE_LATE: tl.constexpr,
-    STAMP: tl.constexpr, X16: tl.constexpr, DONE_AT: tl.constexpr,
-):
-    """Program (NC + u, tb) of a launch with token finishers: it waits (spinning on the block's ticket
-    counter) until the block's NC chunk programs have stored their partials, then finishes token
-    tb * BT + u alone (`_finish_token`), so a block's BT tokens finish side by side on BT SMs. The last
-    of the block's BT finishers to end resets its ticket and its own counter (at DONE_AT past it) for the
-    next launch. Waiting cannot starve the chunk programs of SMs in any dispatch order: a launch has one
-    finisher per token (at most 64), far fewer than the GPU's program slots, and the next kernel's programs
-    (a programmatic dependent) start only once every program of this launch has."""
-    t0 = tb * BT + (c - NC)
-    if PDL:
-        if not RELEASE_LATE:
-            _launch_dependents()
-        _stamp(stamp_ptr, 1, STAMP)
-        _wait_previous()
-        _stamp(stamp_ptr, 2, STAMP)
-    # The wait is bounded (about 2^24 polls, seconds), so a fault in the ticket count shows as wrong outputs
-    # rather than a launch that never ends.
-    arrived = tl.atomic_add(ticket_ptr + tb, 0, sem="acquire")
-    polls = 0
-    while (arrived < NC) & (polls < (1 << 24)):
-        arrived = tl.atomic_add(ticket_ptr + tb, 0, sem="acquire")
-        polls += 1
-    if PDL and RELEASE_LATE:
-        _launch_dependents()  # as the chunk programs have: the next kernel may start beside the finish
-    _stamp(stamp_ptr, 4, STAMP)
-    if t0 < T:
-        _finish_token(
-            t0, base_ptr, scale_ptr, w_ptr, new_streams_ptr, new_post_ptr, new_comb_ptr, x_ptr, part_ptr, x16_ptr,
-            hc_eps, rms_eps, norm_eps, post_mult, stamp_ptr, D, ROWS, ITERS, NC, NCB, FIN, SK4 == 2, X16, STAMP,
-        )
-    done = tl.atomic_add(ticket_ptr + DONE_AT + tb, 1, sem="acq_rel")
-    if done == BT - 1:
+    if ticket == NC - 1:
         tl.store(ticket_ptr + tb, 0)
-        tl.store(ticket_ptr + DONE_AT + tb, 0)
+        if SCALAR:  # one token per block, n = 4, a row in one tile, Sinkhorn in registers; not the last layer
+            _finish_token(
+                tb, base_ptr, scale_ptr, w_ptr, new_streams_ptr, new_post_ptr, new_comb_ptr, x_ptr, part_ptr, x16_ptr,
+                hc_eps, rms_eps, norm_eps, post_mult, D, ROWS, ITERS, NC, NCB, FIN, SK4 == 2, X16,
+            )
+        else:
+            _mhc_finish(
+                tok, tmask, kk,
+                fn_ptr, base_ptr, scale_ptr, w_ptr, new_streams_ptr, new_post_ptr, new_comb_ptr, x_ptr, part_ptr,
+                x16_ptr, hc_eps, rms_eps, norm_eps, post_mult,
+                D, N, ROWS, MODE, ITERS, BT, NC, NCB, FIN, SK4, X16,
+            )
 
 
 @triton.jit
@@ -487,31 +415,18 @@ def mhc_kernel(
     fn_ptr, base_ptr, scale_ptr, w_ptr,
     new_streams_ptr, new_post_ptr, new_comb_ptr, x_ptr,
     part_ptr, ticket_ptr,
-    T, hc_eps, rms_eps, norm_eps, post_mult, stamp_ptr, x16_ptr,
+    T, hc_eps, rms_eps, norm_eps, post_mult, x16_ptr,
     D: tl.constexpr, N: tl.constexpr, ROWS: tl.constexpr, MODE: tl.constexpr, ITERS: tl.constexpr,
     BT: tl.constexpr, SUB: tl.constexpr, NSUB: tl.constexpr, NC: tl.constexpr, NCB: tl.constexpr,
-    FIN: tl.constexpr, SK4: tl.constexpr, BY_TOKEN: tl.constexpr, PDL: tl.constexpr,
-    RELEASE_LATE: tl.constexpr = False, ITERS_IN: tl.constexpr = 0, STAMP: tl.constexpr = False,
-    X16: tl.constexpr = False, SCALAR: tl.constexpr = False, FINISHERS: tl.constexpr = False,
-    DONE_AT: tl.constexpr = 0,
+    FIN: tl.constexpr, SK4: tl.constexpr, PDL: tl.constexpr,
+    RELEASE_LATE: tl.constexpr = False, ITERS_IN: tl.constexpr = 0,
+    X16: tl.constexpr = False, SCALAR: tl.constexpr = False,
 ):
-    """Grid (NC, token blocks), or with FINISHERS (NC + BT, token blocks): the chunk programs, then one
-    token finisher per token of the block (`_token_finisher`)."""
-    _stamp(stamp_ptr, 0, STAMP)
-    c = tl.program_id(0)
-    tb = tl.program_id(1)
-    if FINISHERS and c >= NC:
-        _token_finisher(
-            c, tb, base_ptr, scale_ptr, w_ptr, new_streams_ptr, new_post_ptr, new_comb_ptr, x_ptr, part_ptr,
-            ticket_ptr, T, hc_eps, rms_eps, norm_eps, post_mult, stamp_ptr, x16_ptr,
-            D, ROWS, ITERS, BT, NC, NCB, FIN, SK4, PDL, RELEASE_LATE, STAMP, X16, DONE_AT,
-        )
-    else:
-        _chunk_program(
-            c, tb, out_ptr, streams_ptr, post_ptr, comb_ptr, fn_ptr, base_ptr, scale_ptr, w_ptr,
-            new_streams_ptr, new_post_ptr, new_comb_ptr, x_ptr, part_ptr, ticket_ptr,
-            T, hc_eps, rms_eps, norm_eps, post_mult, stamp_ptr, x16_ptr,
-            D, N, ROWS, MODE, ITERS, BT, SUB, NSUB, NC, NCB, FIN, SK4, BY_TOKEN, PDL,
-            RELEASE_LATE, ITERS_IN, STAMP, X16, SCALAR, FINISHERS,
-        )
-    _stamp(stamp_ptr, 7, STAMP)  # END
+    """Grid (NC, token blocks): the chunk programs, the last of each block finishing it."""
+    _chunk_program(
+        tl.program_id(0), tl.program_id(1), out_ptr, streams_ptr, post_ptr, comb_ptr, fn_ptr, base_ptr, scale_ptr,
+        w_ptr, new_streams_ptr, new_post_ptr, new_comb_ptr, x_ptr, part_ptr, ticket_ptr,
+        T, hc_eps, rms_eps, norm_eps, post_mult, x16_ptr,
+        D, N, ROWS, MODE, ITERS, BT, SUB, NSUB, NC, NCB, FIN, SK4, PDL,
+        RELEASE_LATE, ITERS_IN, X16, SCALAR,
+    )

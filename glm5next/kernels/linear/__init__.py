@@ -12,8 +12,8 @@ FP8 e4m3 `[N, K]` with fp32 128x128 block scales) and are never copied or concat
 
 Launch parameters come from `plan_launch`, a deterministic function of the shapes, dtypes
 and device (no autotuning: the kernels are captured in CUDA graphs). Callers may override
-`split_k`, `block_n`, `mode` ("dot", "swap", "tma" or "gemv") and `split_factor`; `CANDIDATES` names the
-variants worth timing per call site.
+`split_k`, `block_n`, `split_factor` and a few more; `CANDIDATES` names the overrides worth timing
+per call site.
 Every entry point is CUDA-graph safe after one eager call (which compiles the kernel and
 creates the split-K tile counters): no host syncs and only static-shape allocations.
 """
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from .kernel import MAX_HOLD, MAX_PROJECTIONS, LaunchPlan, launch, tile_counters
+from .kernel import MAX_PROJECTIONS, LaunchPlan, launch, tile_counters
 from .reference import gate_up_swiglu_reference, linear_multi_reference, linear_reference
 
 __all__ = [
@@ -42,51 +42,19 @@ CANDIDATES: dict[str, dict] = {
     "split-2x": dict(split_factor=2),
     "block-n-32": dict(block_n=32),
     "block-n-128": dict(block_n=128),
-    "gemv": dict(mode="gemv"),
     "block-k-256": dict(block_k=256),
     "fp16-products": dict(half=True),
     "bf16-products": dict(half=False),
-    "swap": dict(mode="swap"),
-    "swap-block-n-128": dict(mode="swap", block_n=128),
-    "tma": dict(mode="tma"),
     "pdl": dict(pdl=True),
     "pdl-late": dict(pdl="late"),
-    "pdl-hold": dict(pdl=True, hold=4),
-    "pdl-hold-2": dict(pdl=True, hold=2),
     "warps-8": dict(num_warps=8),
-    "halves": dict(halves=True),
 }
-"""Launch variants worth timing per call site (keyword overrides of every entry point). `split_factor`
-scales the heuristic's split (rounded, at least 1); "gemv" (no tensor cores) applies to calls of at most 8 rows only;
-`block_k` 256 streams two FP8 scale blocks per step; "fp16-products" / "bf16-products" multiply FP8 weights in
-fp16 / bf16 whatever the row count (see `LaunchPlan.half`); "swap" multiplies W @ x.T (see `LaunchPlan.swap`);
-"tma" loads FP8 weight tiles through tensor descriptors (see `LaunchPlan.tma`; other weights as "dot"); "pdl"
-launches as a programmatic dependent that prefetches its weights into L2 (see `LaunchPlan.pdl`), "pdl-late" the
-same letting the next kernel start only once its products are done (`LaunchPlan.pdl_late`); "pdl-hold" /
-"pdl-hold-2" as "pdl" with the weight tiles of a program's first 4 / 2 K steps loaded into registers before
-its wait (`LaunchPlan.hold`); "warps-8" runs 8 warps per program; "halves" multiplies 33-64 rows of FP8
-weights as two 32-row halves (`LaunchPlan.halves`)."""
-PDL = False
-"""Whether plans launch as programmatic dependents when the caller does not say (`pdl` None)."""
-ONE_WAVE = True
-"""FP8 weights against 16-bit activations at 17-64 rows, ungated calls: split down to at most one wave, of
-3 programs per SM at 17-32 rows (BLOCK_M 32: 64 KB of shared memory and at most 168 registers a thread
-each) and of 2 at 33-64 rows (BLOCK_M 64: 96-112 KB each), with 128-column tiles at 33-64 rows where
-64-column ones alone would pass a wave; at 33-64 rows every call's split may also carry fp32 partials up to
-half the weight bytes (instead of a quarter). False: the rules before (split rounded up to about 2
-programs per SM, 64-column tiles, a quarter), which the sweep's "two-waves" variant restores."""
-BF16_ONE_WAVE_STAGES = False
-"""16-bit weights with more programs than the 2 per SM that 4-5 pipeline stages leave shared memory for,
-but at most 3 per SM (the KDA group: 389 tiles of 64, unsplit): 3 stages up to 32 rows, 2 at 33-64 (wgmma
-keeps one buffer more), so they run in one wave. The H200 sweep of 2026-12-05 timed the KDA group with 5 / 3
-stages at 1, 16 and 32 rows at 55.3 / 51.1, 56.8 / 51.8 and 61.3 / 52.7 us, and at 64 rows with 3 / 2 at
-59.5 / 55.6. Off until the GPU tests and a step have run with it (the sweep checks no outputs)."""
-HALVES = False
-"""FP8 weights against 16-bit activations at 33-64 rows (BLOCK_M 64): multiply the rows as two 32-row halves
-that share each widened weight tile (`LaunchPlan.halves`), where one 64-row product compiles for sm_90 to
-wgmma with the widened tile stored back to shared memory, a barrier, and a wait for each step's products
-before the next step's widening (the dense gate|up's K loop: 16 HGMMA behind 64 F2F, 32 F2FP, 32 PRMT and 8
-STS a step). Off until the H200 has timed it (the sweep's "halves" variants)."""
+"""Launch parameters worth timing per call site (keyword overrides of every entry point). `split_factor`
+scales the heuristic's split (rounded, at least 1); `block_k` 256 streams two FP8 scale blocks per step;
+"fp16-products" / "bf16-products" multiply FP8 weights in fp16 / bf16 whatever the row count (see
+`LaunchPlan.half`); "pdl" launches as a programmatic dependent that prefetches its weights into L2 (see
+`LaunchPlan.pdl`), "pdl-late" the same letting the next kernel start only once its products are done
+(`LaunchPlan.pdl_late`); "warps-8" runs 8 warps per program."""
 _SMS: dict[int | None, int] = {}
 _FLOAT = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -101,11 +69,9 @@ def _sm_count(device: torch.device) -> int:
 
 def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: str = "cuda", sms: int = 132,
                 gated: bool = False, split_k: int | None = None, block_n: int | None = None,
-                mode: str | None = None, split_factor: float = 1, x_bytes: int = 2,
-                widest_bytes: int | None = None, block_k: int | None = None,
-                half: bool | None = None, pdl: bool | str | None = None, num_warps: int | None = None,
-                num_stages: int | None = None, hold: int | None = None, x16: bool = False,
-                halves: bool | None = None) -> LaunchPlan:
+                split_factor: float = 1, x_bytes: int = 2, widest_bytes: int | None = None,
+                block_k: int | None = None, half: bool | None = None, pdl: bool | str | None = None,
+                num_warps: int | None = None, num_stages: int | None = None, x16: bool = False) -> LaunchPlan:
     """Launch parameters for M rows against weights with output widths `ns` and depth K
     (`weight_bytes`: the smallest weight element size; `widest_bytes`: the largest, default the same).
 
@@ -118,22 +84,19 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
     SM. FP8 weights meet 16-bit activations in fp16 products at BLOCK_M 16 (up to 16 rows; `half`
     None), where the H200 sweep measured them 1.3x faster than bf16 products, and at BLOCK_M 32 for
     weights of at least 24 Mi elements (gate and up counted both); ungated FP8 launches at 17-64 rows take
-    them where an fp16 copy of x is given (`x16`: the caller has one; without, at 64 rows they were slower). FP8 weights
-    at 17-64 rows fill at most one wave where ungated, and at 33-64 rows may split further (`ONE_WAVE`). Where
-    all weights are FP8 and the products fp16 (mode None), the weight tiles come through tensor
-    descriptors ("tma") and a gated call takes half the split: the H200 sweep of 2026-12-04 measured
-    the dense gate|up at 1-16 rows 37 -> 33 us, the other shapes equal or up to 4 % faster.
-    CPU: the same rules with BLOCK_K 64, 4 "SMs" and 1 K step per split. `pdl` (None: the module's
-    `PDL`) asks for a programmatic dependent launch where the device has one (`LaunchPlan.pdl`);
-    "late" does so with the next kernel released only after the products (`LaunchPlan.pdl_late`).
-    `num_warps` (4 or 8) overrides the warps per program (default 4, 8 for gated calls at 64 rows);
-    `num_stages` (2-5) the pipeline stages. `hold` (0-4, default 0) the K steps whose weight tiles a
-    program loads into registers first (`LaunchPlan.hold`; 16-bit tensor-core products at BLOCK_M 16,
-    operands not swapped, BLOCK_K <= 128: sm_90 compiles of the DSA group holding 4 steps took 126
-    registers a thread at BLOCK_M 16, 180 at 32 and 255 at 64, and held fp32 products spilled; the CPU
-    interpreter, whose products are all fp32, holds in every mode but those). `halves` (None: `HALVES`) multiplies
-    33-64 rows of FP8 weights as two 32-row halves (`LaunchPlan.halves`; tensor-core products, operands not
-    swapped, nothing held; the GPU takes it for 16-bit activations only).
+    them where an fp16 copy of x is given (`x16`: the caller has one; without, at 64 rows they were slower).
+    Ungated FP8 weights against 16-bit activations at 17-64 rows split down to at most one wave, of 3
+    programs per SM at 17-32 rows (BLOCK_M 32: 64 KB of shared memory and at most 168 registers a thread
+    each) and of 2 at 33-64 rows (BLOCK_M 64: 96-112 KB each), with 128-column tiles at 33-64 rows where
+    64-column ones alone would pass a wave; at 33-64 rows every FP8 call's split may also carry fp32 partials
+    up to half the weight bytes (instead of a quarter). Where all weights are FP8 and the products fp16,
+    the weight tiles come through tensor descriptors (`LaunchPlan.tma`) and a gated call takes half the
+    split: the H200 sweep of 2026-12-04 measured the dense gate|up at 1-16 rows 37 -> 33 us, the other
+    shapes equal or up to 4 % faster.
+    CPU: the same rules with BLOCK_K 64, 4 "SMs" and 1 K step per split. `pdl` (None: False) asks for a
+    programmatic dependent launch where the device has one (`LaunchPlan.pdl`); "late" does so with the next
+    kernel released only after the products (`LaunchPlan.pdl_late`). `num_warps` (4 or 8) overrides the
+    warps per program (default 4, 8 for gated calls at 64 rows); `num_stages` (2-5) the pipeline stages.
     """
     gpu = device_type != "cpu"
     if pdl not in (None, False, True, "late"):
@@ -142,27 +105,17 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
         raise ValueError(f"num_warps must be 4 or 8, got {num_warps}")
     if num_stages not in (None, 2, 3, 4, 5):
         raise ValueError(f"num_stages must be 2 to 5, got {num_stages}")
-    if hold is not None and (isinstance(hold, bool) or hold not in range(MAX_HOLD + 1)):
-        raise ValueError(f"hold must be 0 to {MAX_HOLD} K steps, got {hold!r}")
-    if mode not in (None, "dot", "gemv", "swap", "tma"):
-        raise ValueError(f"mode must be 'dot', 'swap', 'tma' or 'gemv', got {mode!r}")
-    use_dot = mode != "gemv"
-    if not use_dot and M > 8:
-        raise ValueError(f"the gemv variant takes at most 8 rows, got {M}")
-    bm = triton.next_power_of_2(M)
-    if use_dot:
-        bm = max(16, bm)
-    wide = use_dot or bm <= 2  # the gemv product tile is BLOCK_M x BLOCK_K x BLOCK_N registers
-    bk = (128 if wide else 64) if gpu else 64
+    bm = max(16, triton.next_power_of_2(M))
+    bk = 128 if gpu else 64
     if block_k is not None:
-        if block_k not in (32, 64, 128, 256) or not use_dot:
-            raise ValueError(f"block_k must be 32, 64, 128 or 256 (dot mode), got {block_k}")
+        if block_k not in (32, 64, 128, 256):
+            raise ValueError(f"block_k must be 32, 64, 128 or 256, got {block_k}")
         bk = block_k
-    # FP8 weights at 17-64 rows against 16-bit activations (see ONE_WAVE): 3 or 2 programs per SM, and a
-    # second, partial wave would leave the machine to its last few programs.
-    fp8_wave = gpu and ONE_WAVE and weight_bytes == 1 and x_bytes == 2 and use_dot and bm >= 32
+    # FP8 weights at 17-64 rows against 16-bit activations: 3 or 2 programs per SM, and a second, partial
+    # wave would leave the machine to its last few programs.
+    fp8_wave = gpu and weight_bytes == 1 and x_bytes == 2 and bm >= 32
     if block_n is None:
-        block_n = 64 if wide else 32
+        block_n = 64
         if fp8_wave and bm >= 64 and not gated and sum(triton.cdiv(n, 64) for n in ns) > 2 * sms:
             # e.g. the DSA q_b, 320 tiles of 64 (the H200 sweep of 2026-12-03 at 64 rows: 31.2 -> 28.8 us)
             block_n = 128
@@ -181,9 +134,9 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
         # gated ones lost at 48-64 rows: dense gate|up 75.5 -> 96.7 at 64, the shared expert's 21.0 -> 28.7).
         half = weight_bytes == 1 and (bm == 16 or (bm == 32 and K * sum(ns) * (2 if gated else 1) >= 24 << 20)
                                       or (bool(x16) and bm in (32, 64) and not gated))
-    half = bool(half) and use_dot and x_bytes == 2
-    tma = (mode == "tma" or (mode is None and half)) and all_fp8 and x_bytes == 2 and bk <= 128
-    if mode is None and tma and gated:
+    half = bool(half) and x_bytes == 2
+    tma = half and all_fp8 and bk <= 128
+    if tma and gated:
         split_factor = split_factor * 0.5
     k_iters = triton.cdiv(K, bk)
     fp8_skinny = gpu and weight_bytes == 1 and bm == 16  # FP8 weights at up to 16 rows: their own split and stages
@@ -223,21 +176,10 @@ def plan_launch(M: int, ns: list[int], K: int, weight_bytes: int, device_type: s
     # FP8 weights at up to 16 rows: at most 4 stages (the H200 sweep of 2026-12-04, 4 against 5 at 1 row:
     # dense gate|up 31.2 -> 30.4 us, down 18.6 -> 17.7, DSA o_proj 23.3 -> 22.1, q_b 14.0 -> 12.8).
     stages = num_stages or max(2, min(4 if fp8_skinny else 5, buffers if bm >= 64 else buffers + 1))
-    programs = sum(triton.cdiv(n, bn) for n in ns) * split
-    if (BF16_ONE_WAVE_STAGES and num_stages is None and gpu and use_dot and weight_bytes == 2
-            and (widest_bytes or weight_bytes) == 2 and 2 * sms < programs <= 3 * sms):
-        stages = 3 if bm <= 32 else 2
     warps = num_warps or (8 if (bm >= 64 and gated) else 4)
-    halves = (HALVES if halves is None else bool(halves)) and bm == 64 and use_dot and mode != "swap" \
-        and all_fp8 and x_bytes <= 2
-    if halves and num_stages is None:  # two 32-row products: mma.sync, which keeps num_stages - 1 buffers
-        stages = max(2, min(5, buffers + 1))
-    return LaunchPlan(bm, bn, bk, split, use_dot, num_warps=warps, num_stages=stages,
-                      f32_sub_k=(32 if bm <= 16 else 16) if gpu else bk, swap=mode == "swap",
-                      tma=tma, half=half, pdl=PDL if pdl is None else bool(pdl), pdl_late=pdl == "late",
-                      hold=hold if hold and use_dot and mode != "swap" and bk <= 128 and bm == 16
-                      and (not gpu or (x_bytes == 2 and (widest_bytes or weight_bytes) <= 2)) else 0,
-                      halves=halves)
+    return LaunchPlan(bm, bn, bk, split, num_warps=warps, num_stages=stages,
+                      f32_sub_k=(32 if bm <= 16 else 16) if gpu else bk, tma=tma, half=half,
+                      pdl=bool(pdl), pdl_late=pdl == "late", tiles=sum(triton.cdiv(n, bn) for n in ns))
 
 
 def reads_x16(M: int, weights: list[torch.Tensor], x_dtype: torch.dtype, gated: bool = False) -> bool:
@@ -308,8 +250,7 @@ def _check_out16(out: torch.Tensor, out16: torch.Tensor | None) -> None:
                          f"strides {out16.stride()} on {out16.device}")
 
 
-def _run(x, projections, outs, split_k, block_n, mode, split_factor=1, up=None, limit=0.0, block_k=None,
-         half=None, pdl=None, num_warps=None, num_stages=None, x16=None, out16=None, hold=None, halves=None):
+def _run(x, projections, outs, up=None, limit=0.0, x16=None, out16=None, **overrides):
     _check_x(x)
     _check_x16(x, x16)
     projections = list(projections)
@@ -325,53 +266,37 @@ def _run(x, projections, outs, split_k, block_n, mode, split_factor=1, up=None, 
         return outs
     sizes = [w.element_size() for w, _ in projections]
     plan = plan_launch(x.shape[0], ns, x.shape[1], min(sizes), x.device.type, _sm_count(x.device), up is not None,
-                       split_k, block_n, mode, split_factor, x.element_size(), max(sizes), block_k, half, pdl,
-                       num_warps, num_stages, hold, x16 is not None, halves)
+                       x_bytes=x.element_size(), widest_bytes=max(sizes), x16=x16 is not None, **overrides)
     launch(x, [w for w, _ in projections], [s for _, s in projections], outs, plan, up, limit, x16, out16)
     return outs
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None = None,
-                  out: torch.Tensor | None = None, split_k: int | None = None, block_n: int | None = None, *,
-                  mode: str | None = None, split_factor: float = 1,
-                  block_k: int | None = None, half: bool | None = None, pdl: bool | str | None = None,
-                  num_warps: int | None = None, num_stages: int | None = None,
-                  x16: torch.Tensor | None = None, out16: torch.Tensor | None = None,
-                  hold: int | None = None, halves: bool | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, *, x16: torch.Tensor | None = None,
+                  out16: torch.Tensor | None = None, **overrides) -> torch.Tensor:
     """`x @ dequant(weight).T` in fp32 accumulation, in x's dtype (or written into `out`). `x16`: x already
     converted to fp16 (x's strides), which fp16 products against FP8 weights then read instead of
     converting x in every program; the result is the same. `out16`: an fp16 tensor with the output's
-    shape and strides that receives the output converted to fp16 as well (for a next projection's `x16`)."""
-    return _run(x, [(weight, scale_inv)], None if out is None else [out], split_k, block_n, mode, split_factor,
-                block_k=block_k, half=half, pdl=pdl, num_warps=num_warps, num_stages=num_stages, x16=x16,
-                out16=out16, hold=hold, halves=halves)[0]
+    shape and strides that receives the output converted to fp16 as well (for a next projection's `x16`).
+    `overrides`: keyword overrides of `plan_launch` (split_k, block_n, split_factor, block_k, half, pdl,
+    num_warps, num_stages)."""
+    return _run(x, [(weight, scale_inv)], None if out is None else [out], x16=x16, out16=out16, **overrides)[0]
 
 
-def skinny_linear_multi(x: torch.Tensor, projections, outs=None, *, split_k: int | None = None,
-                        block_n: int | None = None, mode: str | None = None,
-                        split_factor: float = 1, block_k: int | None = None,
-                        half: bool | None = None, pdl: bool | str | None = None,
-                        num_warps: int | None = None, num_stages: int | None = None,
-                        x16: torch.Tensor | None = None, hold: int | None = None,
-                        halves: bool | None = None) -> list[torch.Tensor]:
-    """`[x @ dequant(w).T for w, scale_inv in projections]` (at most 6, equal K) in one launch (`x16` as
-    for `skinny_linear`)."""
-    return _run(x, projections, outs, split_k, block_n, mode, split_factor, block_k=block_k, half=half, pdl=pdl,
-                num_warps=num_warps, num_stages=num_stages, x16=x16, hold=hold, halves=halves)
+def skinny_linear_multi(x: torch.Tensor, projections, outs=None, *, x16: torch.Tensor | None = None,
+                        **overrides) -> list[torch.Tensor]:
+    """`[x @ dequant(w).T for w, scale_inv in projections]` (at most 6, equal K) in one launch (`x16` and
+    `overrides` as for `skinny_linear`)."""
+    return _run(x, projections, outs, x16=x16, **overrides)
 
 
 def gate_up_swiglu(x: torch.Tensor, gate_w: torch.Tensor, gate_s: torch.Tensor | None, up_w: torch.Tensor,
                    up_s: torch.Tensor | None, limit: float, out: torch.Tensor | None = None, *,
-                   split_k: int | None = None, block_n: int | None = None, mode: str | None = None,
-                   split_factor: float = 1, block_k: int | None = None, half: bool | None = None,
-                   pdl: bool | str | None = None, num_warps: int | None = None,
-                   num_stages: int | None = None, x16: torch.Tensor | None = None,
-                   out16: torch.Tensor | None = None, hold: int | None = None,
-                   halves: bool | None = None) -> torch.Tensor:
-    """`silu(min(g, limit)) * clamp(u, -limit, limit)`, g = x @ gate.T, u = x @ up.T, in x's dtype (`x16`
-    and `out16` as for `skinny_linear`)."""
+                   x16: torch.Tensor | None = None, out16: torch.Tensor | None = None,
+                   **overrides) -> torch.Tensor:
+    """`silu(min(g, limit)) * clamp(u, -limit, limit)`, g = x @ gate.T, u = x @ up.T, in x's dtype (`x16`,
+    `out16` and `overrides` as for `skinny_linear`)."""
     if up_w.shape != gate_w.shape or up_w.dtype != gate_w.dtype:
         raise ValueError("gate and up weights must share shape and dtype")
-    return _run(x, [(gate_w, gate_s)], None if out is None else [out], split_k, block_n, mode, split_factor,
-                up=(up_w, up_s), limit=limit, block_k=block_k, half=half, pdl=pdl, num_warps=num_warps,
-                num_stages=num_stages, x16=x16, out16=out16, hold=hold, halves=halves)[0]
+    return _run(x, [(gate_w, gate_s)], None if out is None else [out], up=(up_w, up_s), limit=limit, x16=x16,
+                out16=out16, **overrides)[0]

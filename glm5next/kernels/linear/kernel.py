@@ -3,10 +3,8 @@
 One kernel serves every entry point. A program owns a BLOCK_N slice of one projection's
 output columns for all M rows (padded to BLOCK_M) and one split of the K range; it streams
 its weight tile once along K (unit stride, so loads coalesce and vectorise) and accumulates
-in fp32, either with `tl.dot` (M padded to 16, the GPU default: the weight tiles then travel
-through the multi-stage shared-memory pipeline, by cp.async or, from tensor descriptors, by TMA
-bulk copies) or with a broadcast multiply and sum
-(the "gemv" variant for a handful of rows). bf16/fp16 activations meet bf16/fp16-widened
+in fp32 with `tl.dot` (M padded to 16: the weight tiles travel through the multi-stage shared-memory
+pipeline, by cp.async or, from tensor descriptors, by TMA bulk copies). bf16/fp16 activations meet bf16/fp16-widened
 weights on the tensor cores; fp32 activations or fp32 weights use tf32x3 (about fp32
 accuracy), fed in small K chunks so the split operands fit in registers. On CPU (the
 interpreter, whose bf16 products are wrong) everything is widened to fp32 first.
@@ -33,8 +31,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import pdl as _pdl
 from ..pdl import launch_dependents, prefetch_l2, wait_previous
-from .. import stamps as _stamps
-from ..stamps import stamp
 
 MAX_PROJECTIONS = 6
 COUNTER_SLOTS = 1 << 14
@@ -50,15 +46,11 @@ class LaunchPlan:
     block_n: int
     block_k: int
     split_k: int
-    use_dot: bool
+    """K splits (each program covers ceil(K steps / split_k) steps); the launch grid is (tiles, split_k)."""
     num_warps: int = 4
     num_stages: int = 4
     f32_sub_k: int = 32
     """K chunk of one fp32 (tf32x3) product inside a BLOCK_K step, bounding its registers."""
-    swap: bool = False
-    """Multiply with the operands swapped, out.T = W @ x.T: the weight tile is the dot's left operand
-    (BLOCK_N rows, so Hopper's 64-row wgmma can take it from registers after widening) and the few
-    activation rows its narrow right operand."""
     tma: bool = False
     """Load the (FP8) weight tiles with the tensor-memory accelerator (Hopper's bulk tensor copy, from
     a host-built descriptor per weight) instead of per-thread loads; out-of-range rows and columns
@@ -68,6 +60,8 @@ class LaunchPlan:
     pair; bf16 activations convert exactly for 2^-14 <= |x| < 65504, and below that lose bits only where
     their products are below fp32's accumulation error). A program whose products come out non-finite
     redoes its share in bf16 products."""
+    tiles: int = 0
+    """Output tiles of BLOCK_N columns over every projection: the launch grid is (tiles, split_k)."""
     pdl: bool = False
     """Launch as a programmatic dependent (`glm5next.kernels.pdl`): the programs start while the
     previous kernel finishes and first pull the leading K steps of their weight tiles into L2 (as
@@ -76,27 +70,10 @@ class LaunchPlan:
     """With `pdl`, release the next kernel only once a program's products are done (before its split-K
     epilogue) instead of at its start, so the next launch's programs do not take SM slots and L2 while
     this one still streams its weights."""
-    halves: bool = False
-    """At BLOCK_M 64 (33-64 rows), multiply the rows as two 32-row halves against the same widened weight tile
-    (two tensor-core products of 32 rows, which Hopper runs as mma.sync from registers) instead of one 64-row
-    product (wgmma, whose weight operand must first go back to shared memory once widened)."""
-    hold: int = 0
-    """K steps (at most `MAX_HOLD`; fewer where a program has fewer, or where their weight tiles would pass
-    `HOLD_BYTES`) whose weight tiles and block scales a program loads into registers first, by plain loads,
-    before anything else: with `pdl` before its wait, so that once the previous kernel ends only the
-    activations of those steps remain to be read. The remaining steps stream as without."""
 
 
 PREFETCH_BYTES = 32 << 20
 """Most weight bytes one launch pulls into L2 before its wait (the H200's L2 holds 60 MB)."""
-MAX_HOLD = 4
-"""Most K steps a program holds in registers with `LaunchPlan.hold`."""
-HOLD_BYTES = 32 << 10
-"""Most weight bytes a program holds in registers with `LaunchPlan.hold` (at 4 warps, 64 registers a thread)."""
-
-STAMPS: torch.Tensor | None = None
-"""A buffer from `glm5next.kernels.stamps.buffer` (one row per program: tiles x splits): the next
-launch writes its programs' timestamps there (GPU only; for the overlap benchmark). None: no stamps."""
 
 
 @triton.jit
@@ -110,77 +87,18 @@ def _prefetch_tile(w_ptr, local, pid_k, N, K, ITERS, PF_ITERS, BLOCK_N: tl.const
 
 
 @triton.jit
-def _held_tiles(r_ptr, s_ptr, s_row, n0, N, K, k0, IS_FP8: tl.constexpr, HOLD: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr):
-    """The weight tiles of the HOLD K steps from k0 by plain loads, as one [HOLD, BLOCK_K, BLOCK_N] tensor
-    (zeros past N and K), and their block scales [HOLD, 1, 1] (ones for unscaled weights, zeros for steps
-    past K). One load, so every step's bytes are in flight at once."""
-    h = tl.arange(0, HOLD)
-    cols = n0 + tl.arange(0, BLOCK_N)
-    kk = k0 + h[:, None, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :, None]  # [HOLD, BLOCK_K, 1]
-    wt = tl.load(r_ptr + cols[None, None, :] * K + kk, mask=(kk < K) & (cols[None, None, :] < N), other=0.0)
-    ks = k0 + h * BLOCK_K
-    if IS_FP8:
-        sc = tl.load(s_ptr + s_row + ks // 128, mask=ks < K, other=0.0)
-    else:
-        sc = tl.where(ks < K, 1.0, 0.0)
-    return wt, tl.reshape(sc, [HOLD, 1, 1])
-
-
-@triton.jit
-def _held_x(x_ptr, stride_xm, M, K, k0, IS_FP8: tl.constexpr, HALF: tl.constexpr, HOLD: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The activations the held steps multiply, [HOLD, BLOCK_M, BLOCK_K] (zeros past M and K)."""
-    rows = tl.arange(0, BLOCK_M)[None, :, None]
-    kk = k0 + tl.arange(0, HOLD)[:, None, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, None, :]
-    xt = tl.load(x_ptr + rows * stride_xm + kk, mask=(rows < M) & (kk < K), other=0.0)
-    if HALF and IS_FP8:
-        xt = xt.to(tl.float16)
-    return xt
-
-
-@triton.jit
-def _held_product(xt, wt, sc, PROD32: tl.constexpr):
-    """The held steps' products (one batched dot), each times its block scale, summed: [BLOCK_M, BLOCK_N] fp32."""
-    if PROD32:
-        parts = tl.dot(xt.to(tl.float32), wt.to(tl.float32), input_precision="tf32x3")
-    else:
-        parts = tl.dot(xt, wt.to(xt.dtype))  # exact for FP8 values; 16-bit weights unchanged
-    return tl.sum(parts * sc, axis=0)
-
-
-@triton.jit
-def _mma(xt, wt, F32: tl.constexpr, USE_DOT: tl.constexpr, SWAP: tl.constexpr):
-    """[BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] in fp32 accumulation; with SWAP wt is [BLOCK_N, BLOCK_K]
-    and the product [BLOCK_N, BLOCK_M] = wt @ xt.T."""
+def _mma(xt, wt, F32: tl.constexpr):
+    """[BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] in fp32 accumulation."""
     if F32:
-        a = xt.to(tl.float32)
-        b = wt.to(tl.float32)
-    else:
-        a = xt
-        b = wt.to(xt.dtype)  # exact for FP8 values; bf16 weights unchanged
-    if SWAP:
-        if F32:
-            r = tl.dot(b, tl.trans(a), input_precision="tf32x3")
-        else:
-            r = tl.dot(b, tl.trans(a))
-    elif USE_DOT:
-        if F32:
-            r = tl.dot(a, b, input_precision="tf32x3")  # ~fp32 accuracy on tensor cores
-        else:
-            r = tl.dot(a, b)
-    else:
-        r = tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
-    return r
+        return tl.dot(xt.to(tl.float32), wt.to(tl.float32), input_precision="tf32x3")  # ~fp32 accuracy
+    return tl.dot(xt, wt.to(xt.dtype))  # exact for FP8 values; bf16 weights unchanged
 
 
 @triton.jit
-def _weight_tile(w_ptr, w_offs, w_ok, n0, k0, SWAP: tl.constexpr, TMA: tl.constexpr):
-    """The weight tile of the chunk at k0: [SUB, BLOCK_N], or [BLOCK_N, SUB] with SWAP."""
+def _weight_tile(w_ptr, w_offs, w_ok, n0, k0, TMA: tl.constexpr):
+    """The weight tile [SUB, BLOCK_N] of the chunk at k0."""
     if TMA:
-        wt = w_ptr.load([n0, k0])  # [BLOCK_N, SUB] through a tensor descriptor
-        if not SWAP:
-            wt = tl.trans(wt)
+        wt = tl.trans(w_ptr.load([n0, k0]))  # [BLOCK_N, SUB] through a tensor descriptor
     else:
         wt = tl.load(w_ptr + w_offs + k0, mask=w_ok, other=0.0)
     return wt
@@ -188,8 +106,7 @@ def _weight_tile(w_ptr, w_offs, w_ok, n0, k0, SWAP: tl.constexpr, TMA: tl.conste
 
 @triton.jit
 def _chunk(x_ptrs, w_ptr, w2_ptr, w_offs, kk, row_ok, col_ok, K, n0, k0, s_ptr, s2_ptr, s_row, F32: tl.constexpr,
-           TWO: tl.constexpr, USE_DOT: tl.constexpr, IS_FP8: tl.constexpr, HALF: tl.constexpr,
-           SWAP: tl.constexpr, TMA: tl.constexpr):
+           TWO: tl.constexpr, IS_FP8: tl.constexpr, HALF: tl.constexpr, TMA: tl.constexpr):
     """The products of the K chunk starting at k0 with W (and W2 when TWO; else W again, unused),
     each times its 128x128 block scale when IS_FP8 (a chunk never spans two scale blocks). With TMA
     w_ptr and w2_ptr are tensor descriptors of [BLOCK_N, SUB] blocks."""
@@ -197,11 +114,8 @@ def _chunk(x_ptrs, w_ptr, w2_ptr, w_offs, kk, row_ok, col_ok, K, n0, k0, s_ptr, 
     xt = tl.load(x_ptrs + k0, mask=row_ok & k_ok[None, :], other=0.0)
     if HALF and IS_FP8:
         xt = xt.to(tl.float16)  # the weights then widen to fp16 in _mma (F32 is then false)
-    if SWAP:
-        w_ok = col_ok & k_ok[None, :]
-    else:
-        w_ok = k_ok[:, None] & col_ok
-    part = _mma(xt, _weight_tile(w_ptr, w_offs, w_ok, n0, k0, SWAP, TMA), F32, USE_DOT, SWAP)
+    w_ok = k_ok[:, None] & col_ok
+    part = _mma(xt, _weight_tile(w_ptr, w_offs, w_ok, n0, k0, TMA), F32)
     # A chunk wholly past K (the second half of a 256-wide last step) has no scale block: its products
     # are zeros, and the masked load keeps whatever lies past the scales (a NaN, say) out of them.
     s_ok = k0 < K
@@ -209,71 +123,18 @@ def _chunk(x_ptrs, w_ptr, w2_ptr, w_offs, kk, row_ok, col_ok, K, n0, k0, s_ptr, 
         part = part * tl.load(s_ptr + s_row + k0 // 128, mask=s_ok, other=0.0)
     part2 = part
     if TWO:
-        part2 = _mma(xt, _weight_tile(w2_ptr, w_offs, w_ok, n0, k0, SWAP, TMA), F32, USE_DOT, SWAP)
+        part2 = _mma(xt, _weight_tile(w2_ptr, w_offs, w_ok, n0, k0, TMA), F32)
         if IS_FP8:
             part2 = part2 * tl.load(s2_ptr + s_row + k0 // 128, mask=s_ok, other=0.0)
     return part, part2
 
 
 @triton.jit
-def _chunk_halves(x_ptrs, hi_off, w_ptr, w2_ptr, w_offs, kk, row_ok, row_ok_hi, col_ok, K, n0, k0, s_ptr, s2_ptr,
-                  s_row, F32: tl.constexpr, TWO: tl.constexpr, IS_FP8: tl.constexpr, HALF: tl.constexpr,
-                  TMA: tl.constexpr):
-    """`_chunk` for rows in two halves (x_ptrs the first half's rows, hi_off the offset to the second's):
-    the weight tile(s) loaded and widened once, each multiplied by both halves' activations (in fp32 with
-    F32, the interpreter's form). Returns (part_lo, part2_lo, part_hi, part2_hi), each [BLOCK_M / 2, BLOCK_N]."""
-    k_ok = (k0 + kk) < K
-    x_lo = tl.load(x_ptrs + k0, mask=row_ok & k_ok[None, :], other=0.0)
-    x_hi = tl.load(x_ptrs + hi_off + k0, mask=row_ok_hi & k_ok[None, :], other=0.0)
-    if F32:
-        x_lo = x_lo.to(tl.float32)
-        x_hi = x_hi.to(tl.float32)
-    elif HALF and IS_FP8:
-        x_lo = x_lo.to(tl.float16)
-        x_hi = x_hi.to(tl.float16)
-    w_ok = k_ok[:, None] & col_ok
-    lo, hi = _both_halves(x_lo, x_hi, w_ptr, w_offs, w_ok, n0, k0, K, s_ptr, s_row, F32, IS_FP8, TMA)
-    lo2 = lo
-    hi2 = hi
-    if TWO:
-        lo2, hi2 = _both_halves(x_lo, x_hi, w2_ptr, w_offs, w_ok, n0, k0, K, s2_ptr, s_row, F32, IS_FP8, TMA)
-    return lo, lo2, hi, hi2
-
-
-@triton.jit
-def _both_halves(x_lo, x_hi, w_ptr, w_offs, w_ok, n0, k0, K, s_ptr, s_row, F32: tl.constexpr, IS_FP8: tl.constexpr,
-                 TMA: tl.constexpr):
-    """One weight tile, loaded and widened once, times each half's activations (and its block scale)."""
-    wt = _weight_tile(w_ptr, w_offs, w_ok, n0, k0, False, TMA).to(x_lo.dtype)  # exact for FP8 values
-    lo = _dot2(x_lo, wt, F32)
-    hi = _dot2(x_hi, wt, F32)
-    if IS_FP8:
-        sc = tl.load(s_ptr + s_row + k0 // 128, mask=k0 < K, other=0.0)
-        lo = lo * sc
-        hi = hi * sc
-    return lo, hi
-
-
-@triton.jit
-def _dot2(a, b, F32: tl.constexpr):
-    if F32:
-        return tl.dot(a, b, input_precision="tf32x3")
-    return tl.dot(a, b)
-
-
-@triton.jit
-def _stack_halves(lo, hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """[BLOCK_M / 2, BLOCK_N] halves as one [BLOCK_M, BLOCK_N] tile, lo's rows first."""
-    return tl.reshape(tl.permute(tl.join(lo, hi), (2, 0, 1)), (BLOCK_M, BLOCK_N))
-
-
-@triton.jit
 def _accumulate(x_ptr, stride_xm, M, K, w_ptr, s_ptr, w2_ptr, s2_ptr, s_stride, n0, N, it0, n_it,
                 IS_FP8: tl.constexpr, F32: tl.constexpr, TWO: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, F32_SUB: tl.constexpr,
-                HALF: tl.constexpr, SWAP: tl.constexpr, TMA: tl.constexpr, HALVES: tl.constexpr = False):
-    """x[:, K range] @ W[n0:n0+BLOCK_N, K range].T (and the same with W2 when TWO), in fp32 (accumulated
-    transposed with SWAP, returned [BLOCK_M, BLOCK_N] either way; with HALVES in two row halves)."""
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32_SUB: tl.constexpr,
+                HALF: tl.constexpr, TMA: tl.constexpr):
+    """x[:, K range] @ W[n0:n0+BLOCK_N, K range].T (and the same with W2 when TWO), in fp32."""
     # fp32 products (tf32x3) hold 3 operand copies in registers: feed them F32_SUB K at a time;
     # an FP8 chunk stays within one 128-wide scale block. fp16 products (HALF, FP8 weights) take
     # precedence over F32, which the interpreter sets for every projection of 16-bit activations.
@@ -283,54 +144,22 @@ def _accumulate(x_ptr, stride_xm, M, K, w_ptr, s_ptr, w2_ptr, s2_ptr, s_stride, 
     cols = n0 + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, SUB)
     s_row = (n0 // 128) * s_stride
-    if HALVES:  # 16-bit products, operands not swapped (the plan makes sure)
-        HM: tl.constexpr = BLOCK_M // 2
-        hrows = tl.arange(0, HM)
-        hx_ptrs = x_ptr + hrows[:, None] * stride_xm + kk[None, :]
-        w_offs_h = cols[None, :] * K + kk[:, None]
-        col_ok_h = cols[None, :] < N
-        a_lo = tl.zeros([HM, BLOCK_N], dtype=tl.float32)
-        a2_lo = tl.zeros([HM, BLOCK_N], dtype=tl.float32)
-        a_hi = tl.zeros([HM, BLOCK_N], dtype=tl.float32)
-        a2_hi = tl.zeros([HM, BLOCK_N], dtype=tl.float32)
-        for i in range(n_it):
-            k0 = (it0 + i) * BLOCK_K
-            for c in tl.static_range(0, BLOCK_K, SUB):
-                lo, lo2, hi, hi2 = _chunk_halves(hx_ptrs, HM * stride_xm, w_ptr, w2_ptr, w_offs_h, kk,
-                                                 hrows[:, None] < M, (HM + hrows[:, None]) < M, col_ok_h, K, n0,
-                                                 k0 + c, s_ptr, s2_ptr, s_row, PROD32, TWO, IS_FP8, HALF, TMA)
-                a_lo += lo
-                a_hi += hi
-                if TWO:
-                    a2_lo += lo2
-                    a2_hi += hi2
-        return _stack_halves(a_lo, a_hi, BLOCK_M, BLOCK_N), _stack_halves(a2_lo, a2_hi, BLOCK_M, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     x_ptrs = x_ptr + rows[:, None] * stride_xm + kk[None, :]
     row_ok = rows[:, None] < M
-    if SWAP:
-        w_offs = cols[:, None] * K + kk[None, :]  # [BLOCK_N, SUB] tile of the row-major W[n, k]
-        col_ok = cols[:, None] < N
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        acc2 = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:
-        w_offs = cols[None, :] * K + kk[:, None]  # [SUB, BLOCK_N] view of the row-major W[n, k]
-        col_ok = cols[None, :] < N
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    w_offs = cols[None, :] * K + kk[:, None]  # [SUB, BLOCK_N] view of the row-major W[n, k]
+    col_ok = cols[None, :] < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for i in range(n_it):
         k0 = (it0 + i) * BLOCK_K
         for c in tl.static_range(0, BLOCK_K, SUB):
             part, part2 = _chunk(x_ptrs, w_ptr, w2_ptr, w_offs, kk, row_ok, col_ok, K, n0, k0 + c, s_ptr, s2_ptr,
-                                 s_row, PROD32, TWO, USE_DOT, IS_FP8, HALF, SWAP, TMA)
+                                 s_row, PROD32, TWO, IS_FP8, HALF, TMA)
             acc += part
             if TWO:
                 acc2 += part2
-    if SWAP:
-        out, out2 = tl.trans(acc), tl.trans(acc2)
-    else:
-        out, out2 = acc, acc2
-    return out, out2
+    return acc, acc2
 
 
 @triton.jit
@@ -355,55 +184,26 @@ def _finish(acc, acc2, o_ptr, stride_om, n0, M, N, limit, o16_ptr, TWO: tl.const
 @triton.jit
 def _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, local, pid_k, ws_ptr, cnt_ptr,
              num_tiles, limit, s_stride, w_ptr, s_ptr, w2_ptr, s2_ptr, o_ptr, stride_om, N, r_ptr, r2_ptr, pf_iters,
-             stamp_ptr, xb_ptr, o16_ptr, IS_FP8: tl.constexpr, F32: tl.constexpr, TWO: tl.constexpr,
+             xb_ptr, o16_ptr, IS_FP8: tl.constexpr, F32: tl.constexpr, TWO: tl.constexpr,
              SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             USE_DOT: tl.constexpr, F32_SUB: tl.constexpr, HALF: tl.constexpr, SWAP: tl.constexpr, TMA: tl.constexpr,
-             PDL: tl.constexpr, PDL_LATE: tl.constexpr, STAMP: tl.constexpr, O16: tl.constexpr,
-             HOLD: tl.constexpr, ITERS_MAX: tl.constexpr, HALVES: tl.constexpr):
+             F32_SUB: tl.constexpr, HALF: tl.constexpr, TMA: tl.constexpr,
+             PDL: tl.constexpr, PDL_LATE: tl.constexpr, O16: tl.constexpr):
     """One program's share of one projection: tile `local` of it, K split `pid_k`. With PDL it first lets
-    the next kernel start (with PDL_LATE only after its products) and prefetches its weight tiles' first
-    pf_iters K steps into L2 (from the plain pointers r_ptr / r2_ptr). It loads the weight tiles and scales
-    of its first HOLD K steps into registers (where that is every step a program has, HOLD == ITERS_MAX, a
-    bound of ITERS known when compiling, it streams none), then with PDL waits for the previous kernel."""
+    the next kernel start (with PDL_LATE only after its products), prefetches its weight tiles' first
+    pf_iters K steps into L2 (from the plain pointers r_ptr / r2_ptr), then waits for the previous kernel."""
     n0 = local * BLOCK_N
     it0 = pid_k * ITERS
     n_it = tl.minimum(ITERS, K_ITERS - it0)
-    s_row = (n0 // 128) * s_stride
     if PDL:
         if not PDL_LATE:
             launch_dependents()
-        if pf_iters > 0:  # the held steps' lines too: the held loads below then meet the fetches under way
+        if pf_iters > 0:
             _prefetch_tile(r_ptr, local, pid_k, N, K, ITERS, pf_iters, BLOCK_N, BLOCK_K)
             if TWO:
                 _prefetch_tile(r2_ptr, local, pid_k, N, K, ITERS, pf_iters, BLOCK_N, BLOCK_K)
-    # Held steps past this program's share lie past K (only the last split has fewer than ITERS): their
-    # masked tiles and scales are zeros.
-    if HOLD > 0:
-        hw, hs = _held_tiles(r_ptr, s_ptr, s_row, n0, N, K, it0 * BLOCK_K, IS_FP8, HOLD, BLOCK_N, BLOCK_K)
-        if TWO:
-            hv, ht = _held_tiles(r2_ptr, s2_ptr, s_row, n0, N, K, it0 * BLOCK_K, IS_FP8, HOLD, BLOCK_N, BLOCK_K)
-    if PDL:
-        stamp(stamp_ptr, 1, STAMP)
         wait_previous()
-        stamp(stamp_ptr, 2, STAMP)
-    # The held steps' activations are read first, so their round trip overlaps the streamed steps' loads.
-    if HOLD > 0:
-        hx = _held_x(x_ptr, stride_xm, M, K, it0 * BLOCK_K, IS_FP8, HALF, HOLD, BLOCK_M, BLOCK_K)
-    if HOLD < ITERS_MAX:
-        acc, acc2 = _accumulate(x_ptr, stride_xm, M, K, w_ptr, s_ptr, w2_ptr, s2_ptr, s_stride, n0, N, it0 + HOLD,
-                                n_it - HOLD, IS_FP8, F32, TWO, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, HALF, SWAP,
-                                TMA, HALVES)
-    else:  # every step held: no streamed steps, no pipeline
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc2 = acc
-    if HOLD > 0:
-        PROD32: tl.constexpr = F32 and not (HALF and IS_FP8)
-        held = _held_product(hx, hw, hs, PROD32)
-        if TWO:
-            held2 = _held_product(hx, hv, ht, PROD32)
-        acc = held + acc
-        if TWO:
-            acc2 = held2 + acc2
+    acc, acc2 = _accumulate(x_ptr, stride_xm, M, K, w_ptr, s_ptr, w2_ptr, s2_ptr, s_stride, n0, N, it0, n_it,
+                            IS_FP8, F32, TWO, BLOCK_M, BLOCK_N, BLOCK_K, F32_SUB, HALF, TMA)
     if HALF and IS_FP8:
         # An activation beyond fp16's range (|x| >= 65504) makes this program's products non-finite
         # (inf, or NaN against a zero weight): it then redoes its share in bf16 products (fp32 in the
@@ -413,12 +213,9 @@ def _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, local, pid_k, 
             ok = ok & (tl.abs(acc2) < 3.0e38)
         if tl.min(ok.to(tl.int32)) == 0:
             acc, acc2 = _accumulate(xb_ptr, stride_xm, M, K, w_ptr, s_ptr, w2_ptr, s2_ptr, s_stride, n0, N, it0,
-                                    n_it, IS_FP8, F32, TWO, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, False,
-                                    SWAP, TMA, HALVES)
+                                    n_it, IS_FP8, F32, TWO, BLOCK_M, BLOCK_N, BLOCK_K, F32_SUB, False, TMA)
     if PDL and PDL_LATE:
         launch_dependents()
-    if not SPLIT:
-        stamp(stamp_ptr, 3, STAMP)
     if SPLIT:
         TILE: tl.constexpr = BLOCK_M * BLOCK_N
         PARTS: tl.constexpr = 2 if TWO else 1
@@ -431,10 +228,8 @@ def _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, local, pid_k, 
         if TWO:
             tl.store(mine + pid_k * split_stride + TILE, acc2, mask=keep)
         tl.debug_barrier()  # every thread's partial is written before the release below
-        stamp(stamp_ptr, 3, STAMP)
         arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if arrived == split - 1:
-            stamp(stamp_ptr, 4, STAMP)
             tot = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             tot2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for s in range(split):  # fixed order: the result does not depend on who came last
@@ -448,6 +243,19 @@ def _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, local, pid_k, 
 
 
 @triton.jit
+def _member(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, lo, hi, pid_k, ws_ptr, cnt_ptr, num_tiles, limit,
+            s_stride, w, s, o, so, N, r, pf_iters, xb_ptr,
+            IS_FP8: tl.constexpr, F32: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32_SUB: tl.constexpr, HALF: tl.constexpr,
+            TMA: tl.constexpr, PDL: tl.constexpr, PDL_LATE: tl.constexpr):
+    """The program's share of an ungated projection that owns tiles [lo, hi), if `tile` is one of them."""
+    if (tile >= lo) & (tile < hi):
+        _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - lo, pid_k, ws_ptr, cnt_ptr, num_tiles,
+                 limit, s_stride, w, s, w, s, o, so, N, r, r, pf_iters, xb_ptr, xb_ptr, IS_FP8, F32, False, SPLIT,
+                 BLOCK_M, BLOCK_N, BLOCK_K, F32_SUB, HALF, TMA, PDL, PDL_LATE, False)
+
+
+@triton.jit
 def skinny_kernel(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, ws_ptr, cnt_ptr, num_tiles, limit, s_stride,
                   up_w, up_s,
                   w0, s0, o0, so0, N0, T1,
@@ -456,67 +264,46 @@ def skinny_kernel(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, ws_ptr, cnt_ptr
                   w3, s3, o3, so3, N3, T4,
                   w4, s4, o4, so4, N4, T5,
                   w5, s5, o5, so5, N5,
-                  pf_iters, up_r, r0, r1, r2, r3, r4, r5, stamp_ptr, xb_ptr, o16_ptr,
+                  pf_iters, up_r, r0, r1, r2, r3, r4, r5, xb_ptr, o16_ptr,
                   NUM: tl.constexpr, FP8_MASK: tl.constexpr, F32_MASK: tl.constexpr, TWO: tl.constexpr,
                   SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  USE_DOT: tl.constexpr, F32_SUB: tl.constexpr, HALF: tl.constexpr, SWAP: tl.constexpr,
-                  TMA: tl.constexpr, PDL: tl.constexpr, PDL_LATE: tl.constexpr, STAMP: tl.constexpr = False,
-                  O16: tl.constexpr = False, HOLD: tl.constexpr = 0, ITERS_MAX: tl.constexpr = 1 << 30,
-                  HALVES: tl.constexpr = False):
+                  F32_SUB: tl.constexpr, HALF: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr,
+                  PDL_LATE: tl.constexpr, O16: tl.constexpr = False):
     """Grid (num_tiles, split). Projection p owns tiles [T_p, T_{p+1}) (T_0 = 0, T_NUM = num_tiles);
     bit p of FP8_MASK / F32_MASK says whether its weight is FP8 / whether it multiplies in fp32.
     With TWO (one projection only) projection 0 is the gate and up_w/up_s the up weight. With TMA every
     weight (w_p, up_w) is a tensor descriptor. x_ptr holds the activations the products take (with HALF
-    possibly an fp16 copy of them), xb_ptr (same strides) the activations as given, for the bf16 redo of a program whose fp16 products overflow. r_p / up_r
-    are the weights' plain pointers, for the L2 prefetch of a programmatic-dependent launch (PDL).
-    With STAMP each program writes its timestamps to stamp_ptr (`glm5next.kernels.stamps`); with O16
-    (one projection only) projection 0's output goes in fp16 to o16_ptr as well; HOLD: see
-    `LaunchPlan.hold` (the held tiles are read through r_p / up_r; ITERS_MAX bounds ITERS, and where it equals
-    HOLD no step streams)."""
-    stamp(stamp_ptr, 0, STAMP)
+    possibly an fp16 copy of them), xb_ptr (same strides) the activations as given, for the bf16 redo of a
+    program whose fp16 products overflow. r_p / up_r are the weights' plain pointers, for the L2 prefetch
+    of a programmatic-dependent launch (PDL). With O16 (one projection only) projection 0's output goes in
+    fp16 to o16_ptr as well."""
     tile = tl.program_id(0)
     pid_k = tl.program_id(1)
     if tile < T1:
         _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile, pid_k, ws_ptr, cnt_ptr, num_tiles,
-                 limit, s_stride, w0, s0, up_w, up_s, o0, so0, N0, r0, up_r, pf_iters, stamp_ptr, xb_ptr, o16_ptr,
-                 FP8_MASK & 1, F32_MASK & 1, TWO, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, F32_SUB, HALF, SWAP, TMA,
-                 PDL, PDL_LATE, STAMP, O16, HOLD, ITERS_MAX, HALVES)
+                 limit, s_stride, w0, s0, up_w, up_s, o0, so0, N0, r0, up_r, pf_iters, xb_ptr, o16_ptr,
+                 FP8_MASK & 1, F32_MASK & 1, TWO, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, F32_SUB, HALF, TMA,
+                 PDL, PDL_LATE, O16)
     if NUM > 1:
-        if (tile >= T1) & (tile < T2):
-            _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T1, pid_k, ws_ptr, cnt_ptr,
-                     num_tiles, limit, s_stride, w1, s1, w1, s1, o1, so1, N1, r1, r1, pf_iters, stamp_ptr,
-                     xb_ptr, xb_ptr,
-                     (FP8_MASK >> 1) & 1, (F32_MASK >> 1) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
-                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, False, HOLD, ITERS_MAX, HALVES)
+        _member(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, T1, T2, pid_k, ws_ptr, cnt_ptr, num_tiles, limit,
+                s_stride, w1, s1, o1, so1, N1, r1, pf_iters, xb_ptr, (FP8_MASK >> 1) & 1, (F32_MASK >> 1) & 1, SPLIT,
+                BLOCK_M, BLOCK_N, BLOCK_K, F32_SUB, HALF, TMA, PDL, PDL_LATE)
     if NUM > 2:
-        if (tile >= T2) & (tile < T3):
-            _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T2, pid_k, ws_ptr, cnt_ptr,
-                     num_tiles, limit, s_stride, w2, s2, w2, s2, o2, so2, N2, r2, r2, pf_iters, stamp_ptr,
-                     xb_ptr, xb_ptr,
-                     (FP8_MASK >> 2) & 1, (F32_MASK >> 2) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
-                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, False, HOLD, ITERS_MAX, HALVES)
+        _member(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, T2, T3, pid_k, ws_ptr, cnt_ptr, num_tiles, limit,
+                s_stride, w2, s2, o2, so2, N2, r2, pf_iters, xb_ptr, (FP8_MASK >> 2) & 1, (F32_MASK >> 2) & 1, SPLIT,
+                BLOCK_M, BLOCK_N, BLOCK_K, F32_SUB, HALF, TMA, PDL, PDL_LATE)
     if NUM > 3:
-        if (tile >= T3) & (tile < T4):
-            _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T3, pid_k, ws_ptr, cnt_ptr,
-                     num_tiles, limit, s_stride, w3, s3, w3, s3, o3, so3, N3, r3, r3, pf_iters, stamp_ptr,
-                     xb_ptr, xb_ptr,
-                     (FP8_MASK >> 3) & 1, (F32_MASK >> 3) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
-                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, False, HOLD, ITERS_MAX, HALVES)
+        _member(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, T3, T4, pid_k, ws_ptr, cnt_ptr, num_tiles, limit,
+                s_stride, w3, s3, o3, so3, N3, r3, pf_iters, xb_ptr, (FP8_MASK >> 3) & 1, (F32_MASK >> 3) & 1, SPLIT,
+                BLOCK_M, BLOCK_N, BLOCK_K, F32_SUB, HALF, TMA, PDL, PDL_LATE)
     if NUM > 4:
-        if (tile >= T4) & (tile < T5):
-            _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T4, pid_k, ws_ptr, cnt_ptr,
-                     num_tiles, limit, s_stride, w4, s4, w4, s4, o4, so4, N4, r4, r4, pf_iters, stamp_ptr,
-                     xb_ptr, xb_ptr,
-                     (FP8_MASK >> 4) & 1, (F32_MASK >> 4) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
-                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, False, HOLD, ITERS_MAX, HALVES)
+        _member(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, T4, T5, pid_k, ws_ptr, cnt_ptr, num_tiles, limit,
+                s_stride, w4, s4, o4, so4, N4, r4, pf_iters, xb_ptr, (FP8_MASK >> 4) & 1, (F32_MASK >> 4) & 1, SPLIT,
+                BLOCK_M, BLOCK_N, BLOCK_K, F32_SUB, HALF, TMA, PDL, PDL_LATE)
     if NUM > 5:
-        if tile >= T5:
-            _project(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, tile - T5, pid_k, ws_ptr, cnt_ptr,
-                     num_tiles, limit, s_stride, w5, s5, w5, s5, o5, so5, N5, r5, r5, pf_iters, stamp_ptr,
-                     xb_ptr, xb_ptr,
-                     (FP8_MASK >> 5) & 1, (F32_MASK >> 5) & 1, False, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
-                     F32_SUB, HALF, SWAP, TMA, PDL, PDL_LATE, STAMP, False, HOLD, ITERS_MAX, HALVES)
-    stamp(stamp_ptr, 7, STAMP)  # END
+        _member(x_ptr, stride_xm, M, K, K_ITERS, ITERS, split, tile, T5, num_tiles, pid_k, ws_ptr, cnt_ptr, num_tiles,
+                limit, s_stride, w5, s5, o5, so5, N5, r5, pf_iters, xb_ptr, (FP8_MASK >> 5) & 1, (F32_MASK >> 5) & 1,
+                SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, F32_SUB, HALF, TMA, PDL, PDL_LATE)
 
 
 def tile_counters(device: torch.device) -> torch.Tensor:
@@ -545,17 +332,6 @@ def _prefetch_iters(weights: list[torch.Tensor], iters: int) -> int:
         return 0
     total = sum(w.numel() * w.element_size() for w in weights)
     return iters if total <= PREFETCH_BYTES else iters * PREFETCH_BYTES // total
-
-
-def held_steps(plan: LaunchPlan, weights: list[torch.Tensor], iters: int, gated: bool) -> int:
-    """The K steps a program of this launch holds (`LaunchPlan.hold`): the plan's, at most the program's
-    steps and as many as keep its held tiles (gate and up both, for a gated call) within `HOLD_BYTES`;
-    none with swapped operands (an sm_90 compile of a held swapped tile spilled)."""
-    if plan.hold <= 0:
-        return 0
-    tile = plan.block_n * plan.block_k * max(w.element_size() for w in weights) * (2 if gated else 1)
-    steps = max(0, min(plan.hold, MAX_HOLD, iters, HOLD_BYTES // tile)) if plan.use_dot and not plan.swap else 0
-    return 1 << (steps.bit_length() - 1) if steps else 0  # a power of two: the held steps are one tensor axis
 
 
 def launch(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor | None],
@@ -613,18 +389,13 @@ def launch(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tens
     up_w, up_s = (x, x) if up is None else (operand(up[0]), up[0] if up[1] is None else up[1])
     pdl = plan.pdl and _pdl.enabled(x.device)
     pf_iters = _prefetch_iters(every, iters) if pdl else 0
-    hold = held_steps(plan, every, iters, up is not None)
     raw = [x if up is None else up[0]] + [weights[p] if p < len(weights) else x for p in range(MAX_PROJECTIONS)]
-    stamps = STAMPS
-    stamped = _stamps.check(stamps, total * split, x.device)
     skinny_kernel[(total, split)](
         xa, x.stride(0), M, K, k_iters, iters, split, ws, cnt, total, float(limit), s_stride, up_w, up_s, *per_proj,
-        pf_iters, *raw, stamps if stamped else ws, x, x if out16 is None else out16,
+        pf_iters, *raw, x, x if out16 is None else out16,
         NUM=len(weights), FP8_MASK=fp8_mask, F32_MASK=f32_mask, TWO=up is not None, SPLIT=split > 1,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_DOT=plan.use_dot, F32_SUB=min(plan.f32_sub_k, bk), HALF=plan.half,
-        SWAP=plan.swap, TMA=tma, PDL=pdl, PDL_LATE=pdl and plan.pdl_late, STAMP=stamped,
-        O16=out16 is not None, HOLD=hold, ITERS_MAX=iters if hold and hold >= iters else 1 << 30,
-        HALVES=plan.halves,  # `plan_launch` sets it only at BLOCK_M 64, for tensor-core products of 16-bit x
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, F32_SUB=min(plan.f32_sub_k, bk), HALF=plan.half, TMA=tma, PDL=pdl,
+        PDL_LATE=pdl and plan.pdl_late, O16=out16 is not None,
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
         **({"launch_pdl": True} if pdl else {}))

@@ -1,9 +1,9 @@
 """Move Triton's compiled kernels from one GPU machine to the next, so a fresh machine does not compile
-again what an earlier call already compiled (the device calls of `bench/gpu_run.sh` start on a fresh
+again what an earlier call already compiled (the device calls of `benchmarks/gpu_run.sh` start on a fresh
 machine whenever the last one went idle; compiling the kernel tests alone takes minutes there).
 
-    python bench/triton_cache.py pack CACHE_DIR ARCHIVE [--max-mib 15]
-    python bench/triton_cache.py unpack ARCHIVE CACHE_DIR
+    python benchmarks/triton_cache.py pack CACHE_DIR ARCHIVE [--max-mib 15]
+    python benchmarks/triton_cache.py unpack ARCHIVE CACHE_DIR
 
 `pack` keeps what a cache hit reads (each kernel's binary, its metadata and the group file that
 lists them, and the compiled launchers; no intermediate IR), newest entries first, within `--max-mib` of xz-compressed archive.

@@ -1,6 +1,6 @@
 """Launch-variant sweep of the skinny projections and the fused boundary at the slice's real shapes.
 
-`python -m glm5next.bench.sweep --out sweep.json` times every variant in `VARIANTS` (keyword
+`python -m benchmarks.sweep --out sweep.json` times every variant in `VARIANTS` (keyword
 overrides of the skinny entry points) on each FP8 projection shape of a DSA layer, the dense MLP
 and the shared expert, and the boundary's (block_t, chunk) tilings, each through CUDA-graph replays
 over weight copies that together exceed the L2 four times. It informs `plan_launch`'s and the
@@ -19,46 +19,27 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..checkpoint.fp8 import quantize_fp8_blocks
-from ..config import MHC_POST_MULT
-from ..kernels import boundary as boundary_kernels
-from ..kernels.boundary import mhc_boundary, mhc_last
-from ..kernels.linear import gate_up_swiglu, skinny_linear, skinny_linear_multi
-from ..kernels import linear as linear_plans
-from ..kernels.linear import kernel as linear_kernel
-from .floor import capture, measure_read_bandwidth, time_replays
-from .stages import ROTATE_BYTES
+from glm5next.checkpoint.fp8 import quantize_fp8_blocks
+from glm5next.config import MHC_POST_MULT
+from glm5next.kernels import boundary as boundary_kernels
+from glm5next.kernels.boundary import mhc_boundary, mhc_last
+from glm5next.kernels.linear import gate_up_swiglu, skinny_linear, skinny_linear_multi
+from glm5next.kernels.linear import kernel as linear_kernel
+from glm5next.bench.floor import capture, measure_read_bandwidth, time_replays
+from glm5next.bench.stages import ROTATE_BYTES
 
 VARIANTS = {
     "heuristic": {},
-    "dot": dict(mode="dot"),
     "bk256": dict(block_k=256),
     "bn128": dict(block_n=128),
     "bk256-bn128": dict(block_k=256, block_n=128),
     "split-2x": dict(split_factor=2),
-    "bk256-split-2x": dict(block_k=256, split_factor=2),
-    "gemv": dict(mode="gemv"),
+    "split-half": dict(split_factor=0.5),
     "fp16": dict(half=True),
-    "fp16-bk256": dict(half=True, block_k=256),
     "bf16": dict(half=False),
-    "swap": dict(mode="swap"),
-    "swap-bn128": dict(mode="swap", block_n=128),
-    "swap-bk256": dict(mode="swap", block_k=256),
-    "swap-split-2x": dict(mode="swap", split_factor=2),
-    "swap-bf16": dict(mode="swap", half=False),
-    "tma": dict(mode="tma"),
-    "tma-bn128": dict(mode="tma", block_n=128),
-    "tma-split-2x": dict(mode="tma", split_factor=2),
-    "tma-split-half": dict(mode="tma", split_factor=0.5),
-    "tma-bf16": dict(mode="tma", half=False),
     "x16": dict(x16=True),
     "x16-bn128": dict(x16=True, block_n=128),
     "fp16-x16": dict(half=True, x16=True),
-    "fp16-x16-dot": dict(half=True, mode="dot", x16=True),
-    "fp16-x16-dot-warps-4": dict(half=True, mode="dot", x16=True, num_warps=4),
-    "halves": dict(halves=True),
-    "halves-fp16-x16-dot": dict(halves=True, half=True, mode="dot", x16=True),
-    "halves-fp16-x16-dot-split-half": dict(halves=True, half=True, mode="dot", x16=True, split_factor=0.5),
     "fp16-convert": dict(half=True, x16="convert"),
     "pdl": dict(pdl=True),
     "pdl-split-half": dict(pdl=True, split_factor=0.5),
@@ -66,41 +47,22 @@ VARIANTS = {
     "pdl-no-prefetch": dict(pdl=True),
     "pdl-prefetch-8mb": dict(pdl=True),
     "pdl-late": dict(pdl="late"),
-    "pdl-hold": dict(pdl=True, hold=4),
-    "pdl-hold-2": dict(pdl=True, hold=2),
-    "pdl-hold-split-2x": dict(pdl=True, hold=4, split_factor=2),
     "bn32": dict(block_n=32),
     "bn16": dict(block_n=16),
-    "bn32-split-half": dict(block_n=32, split_factor=0.5),
     **{f"split-{k}": dict(split_k=k) for k in (1, 2, 3, 4, 5, 6, 7, 8, 11, 16)},
-    "two-waves": {},
     "warps-8": dict(num_warps=8),
-    "warps-8-split-2x": dict(num_warps=8, split_factor=2),
     **{f"stages-{k}": dict(num_stages=k) for k in (2, 3, 4)},
-    **{f"stages-{k}-split-{f}x": dict(num_stages=k, split_factor=f) for k in (3, 4) for f in (2, 3)},
 }
-"""Keyword overrides of the skinny kernels; "heuristic" is the default launch (fp16 products for FP8
-weights at up to 16 rows, their tiles through tensor descriptors), "dot" the same with pointer loads
-(and the full split for gated calls), "fp16"/"bf16" force the product type at every row count (FP8
-weights only: skipped for BF16 cases), "swap*" multiply W @ x.T (the weight tile as the left, register
-operand), "tma*" load FP8 weight tiles through tensor descriptors,
-"x16" gives the products an fp16 copy of x made beforehand (FP8 cases only; what a producer
-writing it beside x would save each program; "x16-bn128" with 128-column tiles), "fp16-x16" fp16 products from such a copy at every row count
-("fp16-x16-dot" with pointer loads, so a gated call keeps its whole split; "-warps-4" with 4 warps a program),
-"halves*" 33-64 rows as two 32-row products sharing each widened weight tile (`LaunchPlan.halves`; "-split-half"
-with half the split, since a gated one fits one program an SM), "fp16-convert" the same with the copy made
-inside the timed graph before each call (what a consumer whose producer writes none would pay), "pdl*" launch as programmatic
-dependents (the weight prefetch capped by `SETTINGS`; "pdl-late" releases the next launch only after
-the products; "pdl-hold*" hold the first 4 / 2 K steps' weight tiles in registers before the wait, with
-"-split-2x" twice the split so that every step of a program is held more often), "bn*" narrower output tiles (more programs on small matrices), "two-waves" the plans of FP8 weights at 17-64
-rows before `ONE_WAVE` (the default launch elsewhere), "split-N" exactly N K
-splits (fewer where N exceeds the K steps), "warps-8*" 8 warps per program (more independent warps
-per scheduler), "stages-N*" N pipeline stages (less shared memory per program, so more programs per SM,
-with the split raised to fill them)."""
+"""Keyword overrides of the skinny kernels; "heuristic" is the default launch, "fp16"/"bf16" force the
+product type at every row count (FP8 weights only: skipped for BF16 cases), "x16" gives the products an
+fp16 copy of x made beforehand (FP8 cases only), "fp16-x16" fp16 products from such a copy at every row
+count, "fp16-convert" the same with the copy made inside the timed graph before each call, "pdl*" launch as
+programmatic dependents (the weight prefetch capped by `SETTINGS`; "pdl-late" releases the next launch only
+after the products), "bn*" narrower or wider output tiles, "split-N" exactly N K splits, "warps-8" 8 warps
+per program, "stages-N" N pipeline stages."""
 SETTINGS = {
     "pdl-no-prefetch": (linear_kernel, "PREFETCH_BYTES", 0),
     "pdl-prefetch-8mb": (linear_kernel, "PREFETCH_BYTES", 8 << 20),
-    "two-waves": (linear_plans, "ONE_WAVE", False),
 }
 """Variants that also change a module setting while they are captured: (module, name, value)."""
 
@@ -185,7 +147,7 @@ def sweep_linear(device, m_values, bandwidth: float, replays: int, variants=None
             for variant, kw in VARIANTS.items():
                 if variants is not None and variant not in variants:
                     continue
-                if (kw.get("mode") == "gemv" and m > 8) or (storage == "bf16" and ("half" in kw or "x16" in kw)):
+                if storage == "bf16" and ("half" in kw or "x16" in kw):
                     continue
                 convert = kw.get("x16") == "convert"
                 if kw.get("x16"):
@@ -291,15 +253,9 @@ def boundary_state(T: int, device):
 
 
 def sweep_boundary(device, t_values, replays: int, block_ts=(1, 2, 4), chunks=(32, 64, 128, 256, 512),
-                   warps=(4,), deferred=(False,), fp_fusion=(False,), finish_scalar=None,
-                   finishers=(False,)) -> list[dict]:
+                   warps=(4,), deferred=(False,)) -> list[dict]:
     """The boundary's tilings at each token count, 64 launches in a row (`deferred` True: each takes
-    its comb as pending and leaves its own so, the "fused-deferred" choice; `fp_fusion` True: compiled
-    with floating-point contraction, as `boundary_kernels.FP_FUSION` allows; `finish_scalar` True: one-token
-    blocks finish with the mixer's outputs as scalars, `boundary_kernels.FINISH_SCALAR`, which deferred launches
-    follow only at chunks of at most 32 columns; None: as shipped; `finishers` True: each token finishes on a
-    program of its own, `boundary_kernels.TOKEN_FINISHERS`, whatever the block)."""
-    finish_scalar = (boundary_kernels.FINISH_SCALAR,) if finish_scalar is None else finish_scalar
+    its comb as pending and leaves its own so, the "fused-deferred" choice)."""
     D, n = BOUNDARY_D, BOUNDARY_N
     rows = []
     copies = 64
@@ -312,32 +268,22 @@ def sweep_boundary(device, t_values, replays: int, block_ts=(1, 2, 4), chunks=(3
         for block_t in block_ts:
             if block_t > T:
                 continue
-            # Blocks of several tokens: both finishers (tiles stored and re-read, or token by token), and
-            # token finishers (a program per token, whatever the block: no other finisher form then).
-            forms = [(by_token, scalar, fin) for fin in finishers
-                     for by_token in ((False, True) if block_t > 1 and not fin else (False,))
-                     for scalar in (finish_scalar if block_t == 1 and not fin else (False,))]
-            for chunk, (by_token, scalar, fin), nw, defer, fma in itertools.product(
-                    chunks, forms, warps, deferred, fp_fusion):
-                def run(block_t=block_t, chunk=chunk, defer=defer, fin=fin):
+            for chunk, nw, defer in itertools.product(chunks, warps, deferred):
+                def run(block_t=block_t, chunk=chunk, defer=defer):
                     for mx in mixers:
                         mhc_boundary(out, streams, post, comb, *mx, **kw, new_streams=bufs[0], new_post=bufs[1],
                                      new_comb=bufs[2], x=bufs[3], block_t=block_t, chunk=chunk,
-                                     defer_sinkhorn=defer, comb_pending=defer, finishers=fin)
-                label = f"bt={block_t} chunk={chunk:3d}" + (" by token" if by_token else "") + (
-                    f" warps={nw}" if nw != 4 else "") + (" deferred" if defer else "") + (
-                    " contracted" if fma else "") + (" scalar" if scalar else "") + (" finishers" if fin else "")
-                fn = _with(boundary_kernels, "NUM_WARPS", nw, _with(boundary_kernels, "FINISH_BY_TOKEN", by_token, run))
-                fn = _with(boundary_kernels, "FINISH_SCALAR", scalar, _with(boundary_kernels, "FP_FUSION", fma, fn))
+                                     defer_sinkhorn=defer, comb_pending=defer)
+                label = f"bt={block_t} chunk={chunk:3d}" + (f" warps={nw}" if nw != 4 else "") + (
+                    " deferred" if defer else "")
+                fn = _with(boundary_kernels, "NUM_WARPS", nw, run)
                 try:
                     us = _time(fn, copies, replays)
                 except Exception as e:
                     print(f"boundary T={T} {label}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                     torch.cuda.synchronize()
                     continue
-                variant = (f"bt{block_t}-c{chunk}{'-token' if by_token else ''}{f'-w{nw}' if nw != 4 else ''}"
-                           f"{'-deferred' if defer else ''}{'-contracted' if fma else ''}{'-scalar' if scalar else ''}"
-                           f"{'-finishers' if fin else ''}")
+                variant = f"bt{block_t}-c{chunk}{f'-w{nw}' if nw != 4 else ''}{'-deferred' if defer else ''}"
                 rows.append(dict(case="boundary", m=T, variant=variant, us=us))
                 print(f"boundary        T={T:2d} {label:32s} {us:8.2f} us", flush=True)
     return rows
@@ -348,17 +294,10 @@ def _empty(x_ptr):
     pass
 
 
-def _div(fn):
-    """`fn` with the boundary's Sinkhorn on the division sequence (`SINKHORN_RCP` off)."""
-    return _with(boundary_kernels, "SINKHORN_RCP", False, fn)
-
-
 def boundary_parts(device, t_values, replays: int) -> list[dict]:
     """Where the boundary's time goes, with the default tiling: the whole boundary, the same with one
     Sinkhorn iteration (the other 19 are the difference), as a programmatic dependent launch (each copy
-    prefetching its mixer while the one before finishes), with Sinkhorn's division sequence instead of
-    the approximate reciprocal (plain and programmatic),
-    the last layer's variant (hc_post, the mean and the final norm: the chunk phase without the mixer
+    prefetching its mixer while the one before finishes), the last layer's variant (hc_post, the mean and the final norm: the chunk phase without the mixer
     GEMV, and a finisher without Sinkhorn or collapse) and an empty launch (the graph's cost per kernel)."""
     D, n = BOUNDARY_D, BOUNDARY_N
     copies = 64
@@ -376,10 +315,6 @@ def boundary_parts(device, t_values, replays: int) -> list[dict]:
             "sinkhorn-1": lambda mx: mhc_boundary(out, streams, post, comb, *mx, **kw, sinkhorn_iters=1, **bufs,
                                                   pdl=False),
             "pdl": lambda mx: mhc_boundary(out, streams, post, comb, *mx, **kw, sinkhorn_iters=20, **bufs, pdl=True),
-            "div": _div(lambda mx: mhc_boundary(out, streams, post, comb, *mx, **kw, sinkhorn_iters=20, **bufs,
-                                                pdl=False)),
-            "pdl-div": _div(lambda mx: mhc_boundary(out, streams, post, comb, *mx, **kw, sinkhorn_iters=20,
-                                                    **bufs, pdl=True)),
             "last": lambda mx: mhc_last(out, streams, post, comb, mx[3], norm_eps=kw["norm_eps"], hidden=bufs["x"],
                                           pdl=False),
             "empty": lambda mx: _empty[(1,)](out),
@@ -433,12 +368,6 @@ def main(argv=None) -> None:
     p.add_argument("--warps", default="4", help="the boundary tilings' warps per program")
     p.add_argument("--deferred", action="store_true",
                    help="time each boundary tiling also with Sinkhorn deferred (the 'fused-deferred' choice)")
-    p.add_argument("--fp-fusion", action="store_true",
-                   help="time each boundary tiling also compiled with floating-point contraction")
-    p.add_argument("--finish-scalar", action="store_true",
-                   help="time each one-token-block tiling also with the scalar finisher (FINISH_SCALAR)")
-    p.add_argument("--finishers", action="store_true",
-                   help="time each boundary tiling also with a finisher program per token (TOKEN_FINISHERS)")
     p.add_argument("--resident", action="store_true",
                    help="time the projections on one weight instance, so its bytes stay in L2")
     p.add_argument("--variants", default=None, help=f"comma-separated subset of {', '.join(VARIANTS)}")
@@ -460,15 +389,13 @@ def main(argv=None) -> None:
     if not a.skip_boundary:
         rows += sweep_boundary(device, [int(t) for t in a.t.split(",")], a.replays,
                                [int(b) for b in a.block_t.split(",")], [int(c) for c in a.chunks.split(",")],
-                               [int(w) for w in a.warps.split(",")], (False, True) if a.deferred else (False,),
-                               (False, True) if a.fp_fusion else (False,),
-                               (False, True) if a.finish_scalar else None, (False, True) if a.finishers else (False,))
+                               [int(w) for w in a.warps.split(",")], (False, True) if a.deferred else (False,))
     if not a.skip_linear:
         rows += sweep_linear(device, [int(m) for m in a.m.split(",")], bw["bytes_per_s"], a.replays, variants, cases,
                              a.resident)
     targets = launch_targets(rows)
     if targets:
-        from .specialized import format_targets
+        from glm5next.bench.specialized import format_targets
 
         print("\n".join(format_targets(targets, key="at")), flush=True)
     if a.out:

@@ -1,6 +1,6 @@
 """Summarise Nsight Compute's per-instruction SASS counters (`gpu_run.sh ncu` writes them as ncu-sass.csv).
 
-    python bench/ncu_summary.py OUT/ncu-sass.csv [--every 2 --first 1] [--top 12]
+    python benchmarks/ncu_summary.py OUT/ncu-sass.csv [--every 2 --first 1] [--top 12]
 
 For each profiled kernel (by default every second one from index 1: `profile_kernels` runs each case
 twice and the second launch is the warm one): the stall samples by reason; the instructions grouped

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU measurements behind docs/decisions.md, in one process tree per call:
 #
-#   OUT=DIR bench/gpu_run.sh STEP [STEP ...]
+#   OUT=DIR benchmarks/gpu_run.sh STEP [STEP ...]
 #
-# STEP: tests[:kernels|boundary|specialized|graph|bf16|stamps|producers] | tune:SIZES (e.g. tune:1,2,4,8) | specialized | speculative
-#       | sweep[:M,M,...] | sweep-boundary[:T,T,...] | overlap[:T,T,...] (kernel timestamps of boundary + DSA group pairs)
-#       | ncu[:CASE,CASE,...] (Nsight Compute over glm5next.bench.profile_kernels' cases, e.g. ncu:dsa_group:1,boundary:8)
+# STEP: tests[:kernels|boundary|specialized|graph|bf16|producers] | tune:SIZES (e.g. tune:1,2,4,8) | specialized | speculative
+#       | sweep[:M,M,...] | sweep-boundary[:T,T,...]
+#       | ncu[:CASE,CASE,...] (Nsight Compute over benchmarks.profile_kernels' cases, e.g. ncu:dsa_group:1,boundary:8)
 # (SWEEP_ARGS adds options to the sweep, e.g. "--skip-probe --variants heuristic,swap"; NCU_ARGS to the profiled script,
 # e.g. "--variant bn32"; for two sweeps with different options, run this script twice in one call, with TRITON_PACK=0
 # on all but the last: a step whose log an earlier one left takes the next free name, sweep-2.log, sweep-2.json;
@@ -21,15 +21,15 @@ mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-.}
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton-cache}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$OUT/gpu.txt" 2>&1
-# Kernels an earlier call compiled: an archive a call left in $OUT (bench/triton_cache.py), copied into
+# Kernels an earlier call compiled: an archive a call left in $OUT (benchmarks/triton_cache.py), copied into
 # the ignored folder .device-carry/ and named in the next call's carry. TRITON_PACK=0: leave none in
 # $OUT this call (it is one of the 8 files a call brings back).
 for archive in .device-carry/triton-cache*.tar.xz; do
-    [ -f "$archive" ] && python bench/triton_cache.py unpack "$archive" "$TRITON_CACHE_DIR"
+    [ -f "$archive" ] && python benchmarks/triton_cache.py unpack "$archive" "$TRITON_CACHE_DIR"
 done
 pack_cache() {
     [ "${TRITON_PACK:-1}" = 0 ] || [ ! -d "$TRITON_CACHE_DIR" ] ||
-        python bench/triton_cache.py pack "$TRITON_CACHE_DIR" "$OUT/triton-cache.tar.xz"
+        python benchmarks/triton_cache.py pack "$TRITON_CACHE_DIR" "$OUT/triton-cache.tar.xz"
     # BUNDLE=1: every other file under $OUT (this and earlier runs of the script in the call) into one
     # results.tar.xz, since a device call brings back at most 8 files.
     if [ "${BUNDLE:-0}" = 1 ]; then
@@ -68,17 +68,16 @@ for step in "$@"; do
             # steps against fp32 (about 80 s).
             part=${step#tests}
             part=${part#:}
-            files=tests/gpu
+            files="-m gpu tests"
             case $part in
                 "") ;;
-                kernels) files="tests/gpu/test_kernels_boundary.py tests/gpu/test_kernels_linear.py" ;;
-                boundary) files=tests/gpu/test_kernels_boundary.py ;;
+                kernels) files="-m gpu tests/test_kernels_boundary.py tests/test_kernels_linear.py" ;;
+                boundary) files="-m gpu tests/test_kernels_boundary.py" ;;
                 specialized) files=tests/gpu/test_specialized.py ;;
                 graph) files=tests/gpu/test_graph_decode.py ;;
                 bf16) files="tests/gpu/test_specialized.py -k bf16_are_as_exact" ;;
-                stamps) files=tests/gpu/test_stamps.py ;;
                 producers) files=tests/test_kernels_producers.py ;;  # the CPU file, on the GPU where it has one
-                *) echo "unknown test part: $part (kernels, boundary, specialized, graph, bf16, stamps, producers)" >&2; exit 2 ;;
+                *) echo "unknown test part: $part (kernels, boundary, specialized, graph, bf16, producers)" >&2; exit 2 ;;
             esac
             run "$(free "gpu-tests${part:+-$part}")" 480 python -m pytest -v -rP -p no:cacheprovider \
                 -o faulthandler_timeout=240 --durations=15 $files ;;
@@ -104,7 +103,7 @@ for step in "$@"; do
             m=${step#sweep}
             m=${m#:}
             name=$(free sweep)
-            run "$name" 420 python -m glm5next.bench.sweep --skip-boundary --m "${m:-1,8,16,32,64}" \
+            run "$name" 420 python -m benchmarks.sweep --skip-boundary --m "${m:-1,8,16,32,64}" \
                 --out "$OUT/$name.json" ${SWEEP_ARGS:-} ;;
         sweep-boundary | sweep-boundary:*)
             # The boundary's (block_t, chunk) tilings at the given token counts, with the module's defaults.
@@ -112,14 +111,8 @@ for step in "$@"; do
             t=${t#:}
             # (SWEEP_ARGS narrows the tilings, e.g. "--block-t 1 --chunks 32,64,128": about 14 s each, mostly compiling.)
             name=$(free sweep-boundary)
-            run "$name" 300 python -m glm5next.bench.sweep --skip-linear --skip-probe --t "${t:-1,4,8,16}" \
+            run "$name" 300 python -m benchmarks.sweep --skip-linear --skip-probe --t "${t:-1,4,8,16}" \
                 --out "$OUT/$name.json" ${SWEEP_ARGS:-} ;;
-        overlap | overlap:*)
-            # How each boundary and the DSA group after it overlap, per projection choice (OVERLAP_ARGS adds options).
-            t=${step#overlap}
-            t=${t#:}
-            name=$(free overlap)
-            run "$name" 300 python -m glm5next.bench.overlap --t "${t:-1,8}" --out "$OUT/$name.json" ${OVERLAP_ARGS:-} ;;
         ncu | ncu:*)
             # The details page (throughput, stall reasons, occupancy) and the per-instruction SASS counters as
             # text; the report itself stays under $OUT as ncu.ncu-rep.
@@ -127,12 +120,12 @@ for step in "$@"; do
             cases=${cases#:}
             ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -n 1)
             run ncu 200 "$ncu" --clock-control none --set full --import-source yes -k 'regex:skinny|mhc' -f \
-                -o "$OUT/ncu" python -m glm5next.bench.profile_kernels ${cases:+--cases "$cases"} ${NCU_ARGS:-}
+                -o "$OUT/ncu" python -m benchmarks.profile_kernels ${cases:+--cases "$cases"} ${NCU_ARGS:-}
             "$ncu" -i "$OUT/ncu.ncu-rep" --page details > "$OUT/ncu-details.txt" 2>&1
             "$ncu" -i "$OUT/ncu.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu-sass.csv" 2>&1
             echo "ncu export: $(wc -l < "$OUT/ncu-details.txt") detail lines, $(wc -l < "$OUT/ncu-sass.csv") sass lines" ;;
         *)
-            echo "unknown step: $step (tests[:PART], tune:SIZES, specialized, speculative, sweep[:M,...], sweep-boundary[:T,...], overlap[:T,...], ncu[:CASES])" >&2
+            echo "unknown step: $step (tests[:PART], tune:SIZES, specialized, speculative, sweep[:M,...], sweep-boundary[:T,...], ncu[:CASES])" >&2
             exit 2 ;;
     esac
 done

@@ -1,6 +1,6 @@
 """One launch of each kernel worth a hardware profile, at the slice's real shapes, for Nsight Compute.
 
-    ncu --clock-control none --set full -k regex:'skinny|mhc' -o REPORT python -m glm5next.bench.profile_kernels
+    ncu --clock-control none --set full -k regex:'skinny|mhc' -o REPORT python -m benchmarks.profile_kernels
 
 Each case runs twice (the first call compiles and allocates the split-K counters; both launches are
 profiled, the second is the one to read). The profiler replays every launch in isolation with the
@@ -15,8 +15,8 @@ import argparse
 
 import torch
 
-from ..kernels.boundary import mhc_boundary
-from .sweep import BOUNDARY_KW, SHAPES, VARIANTS, boundary_mixer, boundary_state, project, shape_weights
+from glm5next.kernels.boundary import mhc_boundary
+from benchmarks.sweep import BOUNDARY_KW, SHAPES, VARIANTS, boundary_mixer, boundary_state, project, shape_weights
 
 CASES = ("dsa_group:1", "dsa_group:16", "dense_gate_up:1", "dense_down:1", "dsa_o_proj:1", "boundary:1", "boundary:8")
 """`name:rows` of the profiled launches: a projection of `sweep.SHAPES` at that many rows, or the boundary at
