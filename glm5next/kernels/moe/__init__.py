@@ -183,7 +183,8 @@ def route(x: torch.Tensor, w: ExpertWeights, top_k: int, scale: float, norm: boo
         part, w.bias, slots if slots is not None else r.ids, r.ids, r.weights, r.slot_expert, r.slot_start,
         r.slot_count, r.rows, r.n_slots, t, e, split, float(scale), float(eps),
         TOP_K=top_k, TOP_K_PAD=triton.next_power_of_2(top_k), NORM=norm, HAS_SLOTS=slots is not None,
-        BLOCK_T=plan.block_t, BLOCK_E=triton.next_power_of_2(e + 1), BLOCK_M=plan.block_m)
+        BLOCK_T=plan.block_t, BLOCK_E=triton.next_power_of_2(e + 1), BLOCK_M=plan.block_m,
+        num_warps=min(16, max(4, plan.block_t // 4)))  # [T, experts] tiles: more threads for more rows
     return r
 
 
