@@ -10,6 +10,10 @@ layer over `--rotate` different inputs so routing varies between calls. Accuracy
 stock module's bf16 outputs against the fp32 reference, relative to its largest value.
 
     python benchmarks/moe_stage.py [--tokens 1,2,4,8,16,32,64] [--variants] [--out moe.json]
+    python benchmarks/moe_stage.py --table-from moe.json --policy FILE   # the measured `moe` table into FILE
+
+The table: "grouped" at every token count where the stage beat the stock module in that run, "stock"
+elsewhere.
 """
 
 from __future__ import annotations
@@ -81,6 +85,24 @@ class GroupedMmPeer:
         return out.to(x.dtype) + self.moe.shared_experts(x)
 
 
+def write_table(result_path: str, policy_path: str) -> None:
+    """Merge the `moe` table that the run in `result_path` measured into the policy file `policy_path`."""
+    with open(result_path) as f:
+        result = json.load(f)
+    try:
+        with open(policy_path) as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        doc = {"tables": {}}
+    doc["tables"]["moe"] = {str(r["tokens"]): "grouped" if r["stage_us"] < r["stock_us"] else "stock"
+                            for r in result["rows"]}
+    doc.setdefault("moe_measured", {})[result["gpu"]] = (
+        f"{result['date']}, benchmarks/moe_stage.py: stage vs stock module per token count")
+    with open(policy_path, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64")
@@ -90,7 +112,12 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--small", action="store_true", help="the slice's small widths (a dry run of this script)")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--table-from", default=None, help="a result JSON of this script: write its table, measure nothing")
+    ap.add_argument("--policy", default=None, help="the policy file --table-from writes into")
     args = ap.parse_args()
+    if args.table_from:
+        write_table(args.table_from, args.policy)
+        return
     dev = torch.device(args.device)
     tokens = [int(t) for t in args.tokens.split(",")]
     config = slice_config(num_layers=4, small=args.small)  # layer 3 is the first MoE layer
@@ -127,11 +154,6 @@ def main() -> None:
                "plan": plan.describe()}
         row["stage_us"] = median_us(stage, args.rotate)
         row["stage_bw_fraction"] = floor_us / row["stage_us"]
-        w8 = plan_moe(m, config.hidden_size, dev, w8a8=True)
-        try:
-            row["w8a8_us"] = median_us(lambda: stage(w8), args.rotate)
-        except Exception as e:  # noqa: BLE001 - a form the compiler refuses is a result too
-            row["w8a8_error"] = f"{type(e).__name__}: {str(e)[:200]}"
         row["stock_us"] = median_us(lambda: [moe(x, graph_safe=True) for x in xs], args.rotate)
         if peer is not None:
             try:
@@ -142,10 +164,6 @@ def main() -> None:
         stage()
         den = want.abs().max()
         row["stage_rel_err"] = float((outs[0].float() - want).abs().max() / den)
-        if "w8a8_us" in row:
-            stage(w8)
-            row["w8a8_rel_err"] = float((outs[0].float() - want).abs().max() / den)
-            stage()
         row["stock_rel_err"] = float((moe(xs[0], graph_safe=True).float() - want).abs().max() / den)
         if args.variants:
             row["variants"] = {}
@@ -161,8 +179,8 @@ def main() -> None:
         result["rows"].append(row)
         peer_txt = f"{row['grouped_mm_us']:.1f}" if "grouped_mm_us" in row else row.get("grouped_mm_error", "-")[:60]
         log(f"M={m}: experts {row['experts_touched']:.1f}, floor {floor_us:.1f} us, stage {row['stage_us']:.1f} us "
-            f"({100 * row['stage_bw_fraction']:.1f} %), w8a8 {row.get('w8a8_us', float('nan')):.1f} us, stock {row['stock_us']:.1f} us, grouped_mm {peer_txt}; "
-            f"rel err stage {row['stage_rel_err']:.2e} w8a8 {row.get('w8a8_rel_err', float('nan')):.2e} stock {row['stock_rel_err']:.2e}")
+            f"({100 * row['stage_bw_fraction']:.1f} %), stock {row['stock_us']:.1f} us, grouped_mm {peer_txt}; "
+            f"rel err stage {row['stage_rel_err']:.2e} stock {row['stock_rel_err']:.2e}")
         if args.variants:
             log("   " + "  ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
                                  for k, v in row["variants"].items()))

@@ -16,19 +16,20 @@ CUDA = torch.cuda.is_available()
 
 
 def random_weights(e, d, i, device="cpu", fp8=True, seed=0) -> ExpertWeights:
-    """Random experts of one MoE layer (the shared expert allocated apart from the routed ones)."""
-    g = torch.Generator().manual_seed(seed)
+    """Random experts of one MoE layer (the shared expert allocated apart from the routed ones), drawn on
+    `device`."""
+    g = torch.Generator(device=device).manual_seed(seed)
 
     def w(*shape):
-        t = torch.randn(*shape, generator=g) * (0.5 if fp8 else 0.05)
-        return t.to(FP8 if fp8 else torch.float32).to(device)
+        t = torch.randn(*shape, generator=g, device=device) * (0.5 if fp8 else 0.05)
+        return t.to(FP8 if fp8 else torch.float32)
 
     def s(*shape):
-        return (torch.rand(*shape, generator=g) * 0.02 + 0.005).to(device) if fp8 else None
+        return torch.rand(*shape, generator=g, device=device) * 0.02 + 0.005 if fp8 else None
 
     bd, bi = -(-d // 128), -(-i // 128)
     return ExpertWeights(
-        (torch.randn(e, d, generator=g) / d**0.5).to(device), (torch.randn(e, generator=g) * 0.1).to(device),
+        torch.randn(e, d, generator=g, device=device) / d**0.5, torch.randn(e, generator=g, device=device) * 0.1,
         w(e, i, d), s(e, bi, bd), w(e, i, d), s(e, bi, bd), w(e, d, i), s(e, bd, bi),
         w(i, d), s(bi, bd), w(i, d), s(bi, bd), w(d, i), s(bd, bi))
 

@@ -15,9 +15,7 @@ FP8 weights (e4m3 with fp32 128x128 block scales) are widened exactly in registe
 chunk's product is scaled by its one block scale (BLOCK_N divides 128 and BLOCK_K divides 128, and
 tiles start on multiples of themselves, so a chunk never straddles two scale blocks). 16-bit
 activations meet 16-bit widened weights on the tensor cores with fp32 accumulation; fp32 activations
-(and the interpreter, whose bf16 products are wrong) multiply in fp32 ("ieee"). W8A8 (FP8 weights only,
-BLOCK_K 128): each row's 128-channel chunk of activations is quantised to e4m3 with its own scale on the
-fly and meets the raw FP8 weights on the FP8 tensor cores, skipping the widening.
+(and the interpreter, whose bf16 products are wrong) multiply in fp32 ("ieee").
 """
 
 from __future__ import annotations
@@ -34,12 +32,9 @@ def _offset(e, per_expert, shared_off):
 
 
 @triton.jit
-def _product(x, w, scale, F32: tl.constexpr, W8A8: tl.constexpr):
-    """x [BM, BK] times the weight tile w [BN, BK] (transposed), scaled: [BM, BN] fp32. W8A8: x is already
-    e4m3 and `scale` [BM, 1] carries its row scales too."""
-    if W8A8:
-        acc = tl.dot(x, tl.trans(w))
-    elif F32:
+def _product(x, w, scale, F32: tl.constexpr):
+    """x [BM, BK] times the weight tile w [BN, BK] (transposed), scaled: [BM, BN] fp32."""
+    if F32:
         acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
     else:
         acc = tl.dot(x, tl.trans(w.to(x.dtype)))
@@ -47,22 +42,11 @@ def _product(x, w, scale, F32: tl.constexpr, W8A8: tl.constexpr):
 
 
 @triton.jit
-def _quantize_rows(x, W8A8: tl.constexpr):
-    """x [BM, BK] as e4m3 with one scale per row (its largest magnitude maps to 448), and the scales [BM, 1];
-    without W8A8, x itself and ones."""
-    if W8A8:
-        xf = x.to(tl.float32)
-        sx = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-30)[:, None] / 448.0
-        return (xf / sx).to(tl.float8e4nv), sx
-    return x, 1.0
-
-
-@triton.jit
 def gate_up_kernel(x_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr,
                    slot_expert_ptr, slot_start_ptr, slot_count_ptr, rows_ptr, n_slots_ptr,
                    shared_wg, shared_wu, shared_sg, shared_su,
                    T, N, K, stride_x, limit,
-                   TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, F32: tl.constexpr, W8A8: tl.constexpr,
+                   TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, F32: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """h[p, n] = silu(min(g, limit)) * clamp(u, -limit, limit) for the slot's rows p, where
     g = x[token(p)] @ Wg[e].T and u likewise; the token of row p is p // TOP_K for routed pairs and
@@ -102,9 +86,8 @@ def gate_up_kernel(x_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr,
             else:
                 sg = 1.0
                 su = 1.0
-            xq, sx = _quantize_rows(x, W8A8)
-            acc_g += _product(xq, wg, sx * sg, F32, W8A8)
-            acc_u += _product(xq, wu, sx * su, F32, W8A8)
+            acc_g += _product(x, wg, sg, F32)
+            acc_u += _product(x, wu, su, F32)
         g = tl.minimum(acc_g, limit)
         u = tl.minimum(tl.maximum(acc_u, -limit), limit)
         h = g * tl.sigmoid(g) * u
@@ -116,7 +99,7 @@ def gate_up_kernel(x_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr,
 def down_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, y_ptr,
                 slot_expert_ptr, slot_start_ptr, slot_count_ptr, rows_ptr, n_slots_ptr,
                 shared_w, shared_s, T, N, K,
-                TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, F32: tl.constexpr, W8A8: tl.constexpr,
+                TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, F32: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """y[p, n] = weight(p) * (h[p] @ Wd[e].T)[n] in fp32 for the slot's rows p (weight 1 for the
     shared expert's rows, the routing weight of pair p otherwise)."""
@@ -147,8 +130,7 @@ def down_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, y_ptr,
                 s = tl.load(s_ptr + s_off + s_row + k0 // 128)
             else:
                 s = 1.0
-            hq, sh = _quantize_rows(h, W8A8)
-            acc += _product(hq, w, sh * s, F32, W8A8)
+            acc += _product(h, w, s, F32)
         routed = p < T * TOP_K
         wt = tl.load(weights_ptr + p, mask=rmask & routed, other=1.0)
         tl.store(y_ptr + p[:, None] * N + n[None, :], acc * wt[:, None], mask=rmask[:, None] & nmask[None, :])
