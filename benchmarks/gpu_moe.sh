@@ -26,11 +26,12 @@ run() {  # run NAME LIMIT_S CMD...
 for step in "$@"; do
     arg=${step#*:}; [ "$arg" = "$step" ] && arg=
     case $step in
-        tests) run tests 120 python -m pytest -q -x -m gpu tests/test_kernels_moe.py ;;
-        stage*) run stage 200 python benchmarks/moe_stage.py --tokens "${arg:-1,2,4,8,16,32,64}" --out "$OUT/stage.json" ;;
+        tests) run tests ${TESTS_LIMIT:-120} python -m pytest -q -x -m gpu tests/test_kernels_moe.py ;;
+        stage*) run stage ${STAGE_LIMIT:-200} python benchmarks/moe_stage.py ${STAGE_ARGS:-} --tokens "${arg:-1,2,4,8,16,32,64}" \
+                    --out "$OUT/stage.json" ;;
         variants*) run variants 300 python benchmarks/moe_stage.py --no-peer --variants --tokens "${arg:-1,8,64}" \
                        --out "$OUT/variants.json" ;;
-        profile*) run profile 180 python benchmarks/profile_step.py --stock --tokens "${arg:-1,8,64}" --policy "$POLICY" \
+        profile*) run profile ${PROFILE_LIMIT:-180} python benchmarks/profile_step.py --stock --tokens "${arg:-1,8,64}" --policy "$POLICY" \
                       --out "$OUT/profile.json" ;;
         specialized) run specialized 420 python -m glm5next.cli bench --mode specialized --policy "$POLICY" \
                          --out "$OUT/specialized.json" ;;
