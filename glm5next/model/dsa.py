@@ -28,7 +28,6 @@ from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
 from .linear import Linear
 from .norm import RMSNorm
 from .params import TensorSpec
-from .routing import cast_input
 
 PREFILL_CHUNK_ELEMS = 1 << 26
 """Budget (elements) of the per-chunk score and gathered-latent tensors of the eager prefill path."""
@@ -155,7 +154,7 @@ class SparseMLA(nn.Module):
 
     def output(self, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The sublayer output [T, hidden] `dtype` of the attention's values [T, H, v]: cast, then o_proj."""
-        return self.o_proj(cast_input(self.o_proj, values, dtype).reshape(values.shape[0], self.num_heads * self.v_dim))
+        return self.o_proj(values.to(dtype).reshape(values.shape[0], self.num_heads * self.v_dim))
 
     def forward(
         self,

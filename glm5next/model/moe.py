@@ -180,7 +180,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, graph_safe: bool = False) -> torch.Tensor:
         grouped = self.grouped() if x.is_cuda and not graph_safe else None
-        if grouped is not None:
+        if grouped is not None:  # (`runs_grouped`)
             # Eager steps on a GPU (prefill, mixed steps): the grouped expert kernels, shared expert included.
             ids, weights = self.gate(x)
             return reduce_output(moe_prefill(x, ids, weights, grouped, self.experts.swiglu_limit), self.tp)
@@ -195,6 +195,11 @@ class MoE(nn.Module):
         directly and fetch their weights while it finishes; the sum is the same whatever runs first.)"""
         ids, weights = self.gate(x)
         return self.experts(x, ids, weights, graph_safe)
+
+    def runs_grouped(self, x: torch.Tensor, graph_safe: bool) -> bool:
+        """Whether `forward` runs `x` through the grouped expert kernels, shared expert included (eager
+        steps on a GPU), rather than as the shared expert plus `routed_experts`."""
+        return x.is_cuda and not graph_safe and self.grouped() is not None
 
     def grouped(self) -> ExpertWeights | None:
         """The weights as the grouped expert kernels read them, or None where they cannot (a shared expert
