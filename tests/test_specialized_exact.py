@@ -306,7 +306,8 @@ def test_only_boundaries_before_overlapped_groups_release_late(tiny_fp32, monkey
     monkeypatch.setattr(linear_kernels, "gate_up_swiglu", record_gate_up)
     monkeypatch.setattr(linear_kernels, "skinny_linear", record_down)
     ex = SpecializedDecode(tiny_fp32, policy(kda_proj="grouped-overlap", dsa_proj="grouped",
-                                             dense_mlp="fused-overlap", shared_expert=shared), SIZES)
+                                             dense_mlp="fused-overlap", shared_expert=shared, moe=None),
+                           SIZES)  # the MoE stage off: the shared expert's stage, then the stock router
     runner, seqs = prefilled(tiny_fp32, [5, 9], ex)
     for i, s in enumerate(seqs):
         s.token_ids.append(4 + i)

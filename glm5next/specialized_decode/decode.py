@@ -1,4 +1,4 @@
-"""The specialized decode executor over the stock backbone: one routing decision per step, then
+"""The specialized decode executor over the stock backbone: one plan per step (which stage runs what), then
 every layer's stages in one loop.
 
 `SpecializedDecode` is built once the weights are loaded; it reads the backbone and never
