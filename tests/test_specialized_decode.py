@@ -103,7 +103,7 @@ def test_unsupported_backbones_degrade_with_one_warning(tiny_dir, caplog):
     with caplog.at_level(logging.WARNING):
         ex = SpecializedDecode(model, Policy(every), SIZES)
     assert ex.boundary_stage is None and ex.head is None  # mixed eps; an fp32 (not BF16) head
-    assert ex.projections.table(1) and ex.dense  # the rest still runs
+    assert ex.projections.runs(model.layers[0], 1) and ex.dense  # the rest still runs
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("mixed norm eps" in w for w in warnings) and any("not BF16" in w for w in warnings)
 

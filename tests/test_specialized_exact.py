@@ -7,8 +7,6 @@ import pytest
 import torch
 
 from glm5next.model.mhc import hc_post
-from glm5next.model.norm import RMSNorm
-from glm5next.model.routing import routed
 from glm5next.runtime.cache import ModelCache
 from glm5next.runtime.runner import Runner, Sequence
 from glm5next.specialized_decode import STAGES, Policy, SpecializedDecode
@@ -45,53 +43,107 @@ def test_boundary_stage_equals_stock(tiny_fp32):
         close(a, b, 1e-5)
 
 
+def _count_linear_launches(monkeypatch) -> list:
+    import glm5next.kernels.linear as linear_kernels
+
+    launches = []
+    for name in ("skinny_linear", "skinny_linear_multi"):
+        real = getattr(linear_kernels, name)
+        monkeypatch.setattr(linear_kernels, name, lambda *a, _n=name, _f=real, **k: launches.append(_n) or _f(*a, **k))
+    return launches
+
+
 @pytest.mark.parametrize("choice", STAGES["kda_proj"])
-def test_projection_routes_equal_stock(tiny_fp32, choice):
+def test_projection_stage_equals_stock_pieces(tiny_fp32, monkeypatch, choice):
+    """The projection stage's calls against the stock pieces they replace: a KDA layer's and a DSA layer's
+    projections (every output), and their o_proj (DSA: the values' cast included), all on the kernels."""
+    launches = _count_linear_launches(monkeypatch)
     ex = SpecializedDecode(tiny_fp32, policy(kda_proj=choice, dsa_proj=choice), SIZES)
     g = torch.Generator().manual_seed(1)
+    grouped = choice != "single"
     for idx in (0, 3):  # a KDA layer and a DSA layer
-        attn = tiny_fp32.layers[idx].self_attn
-        table = ex.routes(4)
-        mods = [m for m in attn.modules() if id(m) in table]
-        assert mods, f"layer {idx}: nothing routed"
+        layer = tiny_fp32.layers[idx]
+        attn = layer.self_attn
+        assert ex.projections.runs(layer, 4)
         x = torch.randn(4, tiny_fp32.config.hidden_size, generator=g)
-        for m in mods:
-            width = m.dim if isinstance(m, RMSNorm) else m.in_features  # (a DSA layer's latent norms too)
-            xin = x if width == x.shape[1] else torch.randn(4, width, generator=g)
-            want = m(xin)
-            with routed(table):
-                got = m(xin)
-            ex.projections.reset()
-            close(got, want)
+        launches.clear()
+        if layer.layer_kind == "kda":
+            got, want = ex.projections.kda(attn, x, 4), attn.project(x)
+            y = torch.randn(4, attn.o_proj.in_features, generator=g)
+            got_out, want_out = ex.projections.kda_output(attn, y, 4), attn.o_proj(y)
+            # q|k|v|b|f_a|g_a in one launch, then f_b, g_b and o_proj; or all nine alone.
+            assert launches == (["skinny_linear_multi"] + ["skinny_linear"] * 3 if grouped else ["skinny_linear"] * 9)
+        else:
+            got, want = ex.projections.dsa(attn, x, 4), attn.project(x)
+            values = torch.randn(attn.num_heads, 4, attn.v_dim, generator=g).permute(1, 0, 2)
+            got_out, want_out = ex.projections.dsa_output(attn, values, x.dtype, 4), attn.output(values, x.dtype)
+            # q_a|kv_a|wk in one launch, then q_b, wq_b and o_proj; or all six alone.
+            assert launches == (["skinny_linear_multi"] + ["skinny_linear"] * 3 if grouped else ["skinny_linear"] * 6)
+        assert type(got) is type(want)
+        for name, a, b in zip(want._fields, got, want):
+            assert a.shape == b.shape, name
+            close(a, b)
+        close(got_out, want_out)
+    # Counter-example: where the policy says stock, the stage does not run the layer's projections.
+    stock = SpecializedDecode(tiny_fp32, policy(kda_proj=None, dsa_proj=None), SIZES)
+    assert not any(stock.projections.runs(tiny_fp32.layers[i], 4) for i in (0, 3))
 
 
-def test_dense_and_shared_expert_stages_equal_stock(tiny_fp32):
+def test_dense_and_shared_expert_stages_equal_stock(tiny_fp32, monkeypatch):
+    from types import SimpleNamespace
+
+    from glm5next.runtime.metadata import CUDAGraphMode
+    from glm5next.specialized_decode.dense_mlp import DenseMlpStage
+
     ex = SpecializedDecode(tiny_fp32, policy(), SIZES)
     x = torch.randn(5, tiny_fp32.config.hidden_size, generator=torch.Generator().manual_seed(2))
     assert sorted(ex.dense) == [0, 1, 2] and sorted(ex.shared) == [3, 4, 5, 6, 7]
     close(ex.dense[1](x), tiny_fp32.layers[1].mlp(x))
     close(ex.shared[5](x), tiny_fp32.layers[5].mlp.shared_experts(x))
-    # "fused-overlap" routes the shared expert's call to the stage with its launches overlapped.
-    shared = tiny_fp32.layers[5].mlp.shared_experts
-    route = SpecializedDecode(tiny_fp32, policy(shared_expert="fused-overlap", moe=None), SIZES).routes(4)[id(shared)]
-    assert route.keywords == {"overlap": True}
-    close(route(x), shared(x))
+    # With the MoE stage off, "fused-overlap" runs the shared expert's stage (launches overlapped) first,
+    # then the stock router and routed experts, summed as the stock MoE sums them.
+    layer = tiny_fp32.layers[5]
+    order, stage_call, gate_forward = [], DenseMlpStage.__call__, layer.mlp.gate.forward
+    monkeypatch.setattr(DenseMlpStage, "__call__",
+                        lambda self, x, overlap=False: order.append(("shared", overlap)) or stage_call(self, x, overlap))
+    monkeypatch.setattr(layer.mlp.gate, "forward", lambda x: order.append("router") or gate_forward(x))
+    ex = SpecializedDecode(tiny_fp32, policy(shared_expert="fused-overlap", moe=None), SIZES)
+    got = ex.ffn_stages(layer, x, SimpleNamespace(cudagraph_mode=CUDAGraphMode.FULL), None)
+    assert order == [("shared", True), "router"]
+    close(got, layer.mlp(x, graph_safe=True))
+    # Counter-example: with the shared expert stock too, no stage runs the MoE layer's FFN.
+    ex = SpecializedDecode(tiny_fp32, policy(shared_expert=None, moe=None), SIZES)
+    assert ex.ffn_stages(layer, x, SimpleNamespace(cudagraph_mode=CUDAGraphMode.FULL), None) is None
 
 
-def test_dsa_norms_and_value_cast_route_where_the_projections_are_routed(tiny_dir, tiny_fp32, monkeypatch):
-    """With the DSA projections routed, a DSA layer's latent norms run as kernels, one each; in bf16 the q_a norm's writes and files the fp16
-    copy the q_b and the wq_b read, and the cast before the o_proj runs as a kernel that writes the o_proj's
-    copy. All equal the stock code's results (in fp32 within 1e-5; in bf16 the cast bit for bit up to the
-    interpreter's truncating casts)."""
+def test_dsa_norms_and_value_cast_run_as_kernels_where_the_projection_stage_runs(tiny_dir, tiny_fp32, monkeypatch):
+    """Where the projection stage runs a DSA layer, its latent norms run as kernels, one each; in bf16 the q_a
+    norm's writes and files the fp16 copy the q_b and the wq_b read, and the cast before the o_proj runs as a
+    kernel that writes the o_proj's copy. All equal the stock pieces' results (in fp32 within 1e-5; in bf16
+    the cast bit for bit up to the interpreter's truncating casts)."""
     import glm5next.kernels.producers as producers
     from glm5next.model.backbone import Glm5NextModel
-    from glm5next.model.routing import cast_input
-    from glm5next.specialized_decode.linear import CastRoute, NormRoute
+    from glm5next.specialized_decode.linear import CastKernel, NormKernel
 
     launches = []
     for name in ("rms_norm",):
         real = getattr(producers, name)
         monkeypatch.setattr(producers, name, lambda *a, _n=name, _f=real, **k: launches.append(_n) or _f(*a, **k))
+    norms, casts = [], []
+    norm_call, cast_call = NormKernel.__call__, CastKernel.__call__
+
+    def record_norm(self, x):
+        out = norm_call(self, x)
+        norms.append((self, out, None if self.copies is None else self.copies.get(out)))
+        return out
+
+    def record_cast(self, x, dtype):
+        out = cast_call(self, x, dtype)
+        casts.append((out, self.copies.get(out.reshape(x.shape[0], -1))))
+        return out
+
+    monkeypatch.setattr(NormKernel, "__call__", record_norm)
+    monkeypatch.setattr(CastKernel, "__call__", record_cast)
     bf16 = Glm5NextModel.from_pretrained(tiny_dir, torch.bfloat16, "cpu", progress=False)
     g = torch.Generator().manual_seed(3)
     for model in (tiny_fp32, bf16):
@@ -102,48 +154,46 @@ def test_dsa_norms_and_value_cast_route_where_the_projections_are_routed(tiny_di
         h = torch.randn(4, model.config.hidden_size, generator=g).to(dtype)
         want_q = attn.q_a_layernorm(attn.q_a_proj(h))
         want_kv = attn.kv_a_layernorm(attn.kv_a_proj_with_mqa(h))
+        want = attn.project(h)
         for choice in ("grouped", "single"):
             ex = SpecializedDecode(model, policy(dsa_proj=choice), SIZES)
-            table = ex.routes(4)
-            q_norm, kv_norm = table[id(attn.q_a_layernorm)], table[id(attn.kv_a_layernorm)]
-            assert isinstance(q_norm, NormRoute) and isinstance(kv_norm, NormRoute) and kv_norm.copies is None
-            assert (q_norm.copies is ex.copies) == (model is bf16)
             launches.clear()
-            with routed(table):
-                got_q = attn.q_a_layernorm(attn.q_a_proj(h))
-                copy = ex.copies.get(got_q)
-                got_kv = attn.kv_a_layernorm(attn.kv_a_proj_with_mqa(h))
+            norms.clear()
+            got = ex.projections.dsa(attn, h, 4)
             assert launches == ["rms_norm", "rms_norm"]
+            (q_norm, got_q, copy), (kv_norm, got_kv, _) = norms
+            assert q_norm.norm is attn.q_a_layernorm and kv_norm.norm is attn.kv_a_layernorm
+            assert kv_norm.copies is None and (q_norm.copies is ex.copies) == (model is bf16)
             close(got_q, want_q, tol)
             close(got_kv, want_kv, tol)
+            for a, b in zip(got, want):
+                close(a, b, tol)
             if model is bf16:
                 assert torch.equal(copy, got_q.to(torch.float16))
             else:
                 assert copy is None
             ex.copies.clear()
-        assert (("input", id(attn.o_proj)) in table) == (model is bf16)
-        assert not any(k in SpecializedDecode(model, policy(dsa_proj=None), SIZES).routes(4)
-                       for k in (id(attn.q_a_layernorm), ("input", id(attn.o_proj))))
-        # A norm called on anything but its group's output runs alone.
+        # Counter-example: with the DSA projections stock, the stage does not run the layer.
+        assert not SpecializedDecode(model, policy(dsa_proj=None), SIZES).projections.runs(layer, 4)
+        # A norm kernel called on anything but its group's output runs alone.
         ex = SpecializedDecode(model, policy(), SIZES)
-        table = ex.routes(4)
         x = torch.randn(4, attn.q_a_layernorm.dim, generator=g).to(dtype)
         launches.clear()
-        with routed(table):
-            alone = attn.q_a_layernorm(x)
+        alone = NormKernel(attn.q_a_layernorm, ex.copies, True)(x)
         assert launches == ["rms_norm"]
         close(alone, _stock_norm(attn.q_a_layernorm, x), tol)
         o = torch.randn(attn.num_heads, 4, attn.v_dim, generator=g).permute(1, 0, 2)  # as the einsum leaves it
-        with routed(table):
-            cast = cast_input(attn.o_proj, o, dtype).reshape(4, -1)  # as the attention passes it on
-            cast_copy = ex.copies.get(cast)
+        casts.clear()
+        out = ex.projections.dsa_output(attn, o, dtype, 4)
+        close(out, attn.output(o, dtype), tol)
         flat = o.reshape(4, -1)
-        assert ((cast.float() - flat.to(dtype).float()).abs() <= flat.abs() * 2.0**-7).all()
-        if model is bf16:
-            assert isinstance(table[("input", id(attn.o_proj))], CastRoute)
+        if model is bf16:  # the cast ran as a kernel and filed the o_proj's copy
+            ((cast, cast_copy),) = casts
+            cast = cast.reshape(4, -1)
+            assert ((cast.float() - flat.to(dtype).float()).abs() <= flat.abs() * 2.0**-7).all()
             assert torch.equal(cast_copy, cast.to(torch.float16))
-        else:
-            assert cast_copy is None
+        else:  # no launch reads a copy: the stock cast
+            assert casts == []
         ex.copies.clear()
 
 
@@ -256,7 +306,8 @@ def test_only_boundaries_before_overlapped_groups_release_late(tiny_fp32, monkey
     monkeypatch.setattr(linear_kernels, "gate_up_swiglu", record_gate_up)
     monkeypatch.setattr(linear_kernels, "skinny_linear", record_down)
     ex = SpecializedDecode(tiny_fp32, policy(kda_proj="grouped-overlap", dsa_proj="grouped",
-                                             dense_mlp="fused-overlap", shared_expert=shared, moe=None), SIZES)
+                                             dense_mlp="fused-overlap", shared_expert=shared, moe=None),
+                           SIZES)  # the MoE stage off: the shared expert's stage, then the stock router
     runner, seqs = prefilled(tiny_fp32, [5, 9], ex)
     for i, s in enumerate(seqs):
         s.token_ids.append(4 + i)
@@ -335,8 +386,8 @@ def test_projection_case_runs_every_choice_after_its_boundary(tiny_fp32, monkeyp
     choice = "before"
     case.before()
     assert len(boundary_outputs) - n == kda_layers and not any(late for _, late in releases[-kda_layers:])
-    # The DSA case runs a layer's projections as its forward does: the latent norms (as kernels where the
-    # projections are routed, one each) between the group and the q_b, the values' cast before the o_proj.
+    # The DSA case runs a layer's projections as its forward does: the latent norms (as kernels where the stage runs the
+    # projections, one each) between the group and the q_b, the values' cast before the o_proj.
     import glm5next.kernels.producers as producers
     from glm5next.config import DSA
 

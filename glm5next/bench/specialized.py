@@ -14,7 +14,6 @@ import time
 import torch
 
 from ..config import DSA, KDA
-from ..model.routing import routed
 from ..runtime.metadata import CUDAGraphMode, ForwardContext
 from ..runtime.runner import Runner
 from ..specialized_decode import Policy, SpecializedDecode
@@ -50,9 +49,8 @@ def _layer_times(model, executor: SpecializedDecode | None, runner: Runner, m: i
         comb = torch.full((m, cfg.hc_mult, cfg.hc_mult), 1.0 / cfg.hc_mult, device=dev)
 
         def planned():
-            with routed(executor.routes(m)):
-                executor.layer(layer, x, False, streams, post, comb, step)
-                executor.projections.reset()
+            executor.layer(layer, x, False, streams, post, comb, step)
+            executor.copies.clear()
 
         def stock():
             layer(streams, ctx, runner.cache)

@@ -1,7 +1,7 @@
 """Each specialized stage against its stock module, at one token count, through CUDA-graph replays.
 
-A case runs one stage the way a planned step runs it (the same routed module calls, the same
-stage objects) over every instance the slice has of it — every layer's weights, plus copies where
+A case runs one stage the way a planned step runs it (the same explicit calls of the same stage
+objects, or of the stock pieces they replace) over every instance the slice has of it — every layer's weights, plus copies where
 one layer's bytes would fit in the 60 MB L2 — so each replay streams its weights from HBM. The
 time of one call is the replay time over the calls captured in it; where a step runs something
 ahead of every call that a choice may overlap (the boundary before a sublayer's projections), the
@@ -24,11 +24,10 @@ import torch
 
 from ..config import DSA, KDA
 from ..model.mhc import hc_post
-from ..model.routing import cast_input, routed
 from ..specialized_decode.boundary import BoundaryStage
 from ..specialized_decode.copies import Fp16Copies
 from ..specialized_decode.dense_mlp import DenseMlpStage
-from ..specialized_decode.linear import (DSA_GROUP, DSA_SINGLES, KDA_GROUP, KDA_SINGLES, RELEASE_LATE, ProjectionRoutes,
+from ..specialized_decode.linear import (DSA_GROUP, DSA_SINGLES, KDA_GROUP, KDA_SINGLES, RELEASE_LATE, ProjectionStage,
                                           _get)
 from ..specialized_decode.logits import LogitsStage
 from ..specialized_decode.moe import MoeStage
@@ -99,30 +98,37 @@ def boundary_case(model, m: int) -> Case:
     return Case("boundary", m, per, {"fused": fused, "fused-deferred": lambda: fused(True), STOCK: stock}, len(insts))
 
 
-def _dsa_projections(attn, x: torch.Tensor, values: torch.Tensor) -> None:
-    """A DSA layer's projections in the order and on the inputs its forward gives them: the group on the
-    boundary's output, the q_a norm, the q_b and the indexer's wq_b on its output, the kv_a norm, then the
-    cast of the attention's values (`values`, fp32 [T, H, V] as the last einsum leaves them) for the o_proj."""
-    cq = attn.q_a_layernorm(attn.q_a_proj(x))
-    attn.q_b_proj(cq)
-    attn.kv_a_layernorm(attn.kv_a_proj_with_mqa(x))
-    attn.indexer.wq_b(cq)
-    attn.indexer.wk(x)
-    attn.o_proj(cast_input(attn.o_proj, values, x.dtype).reshape(x.shape[0], -1))
+def _projections(attn, kind: str, x: torch.Tensor, y: torch.Tensor, stage: ProjectionStage | None, m: int) -> None:
+    """A layer's projections as a planned step calls them (`stage` None: the stock pieces it replaces):
+    the projection piece on the boundary's output `x` (a DSA layer's latent norms and the indexer's
+    included), then the o_proj of `y` — for DSA, the attention's values (fp32 [T, H, V] as the last
+    einsum leaves them), cast first."""
+    if kind == KDA:
+        if stage is None:
+            attn.project(x)
+            attn.o_proj(y)
+        else:
+            stage.kda(attn, x, m)
+            stage.kda_output(attn, y, m)
+    elif stage is None:
+        attn.project(x)
+        attn.output(y, x.dtype)
+    else:
+        stage.dsa(attn, x, m)
+        stage.dsa_output(attn, y, x.dtype, m)
 
 
 def _projection_case(model, m: int, kind: str, stage: str) -> Case:
     """Each layer's projections as a planned step runs them: right after the fused boundary that
-    produces their input. KDA: the group reads the boundary's output, the singles random inputs of their
-    width. DSA: as its forward runs them, latent norms and the values' cast included (`_dsa_projections`),
-    the values random. The boundaries alone are the case's `before`."""
+    produces their input, the o_proj on random inputs (`_projections`; for DSA the attention's values,
+    whose cast it includes). The boundaries alone are the case's `before`."""
     cfg, dev, dt = model.config, model.embed_tokens.device, model.embed_tokens.dtype
     gen = torch.Generator(device=dev).manual_seed(m + 1)
     group_names, single_names = (KDA_GROUP, KDA_SINGLES) if kind == KDA else (DSA_GROUP, DSA_SINGLES)
     layers = [layer for layer in model.layers if layer.layer_kind == kind]
     copies = Fp16Copies()
     boundary = BoundaryStage(cfg, copies)
-    grouped = ProjectionRoutes(layers, Policy({stage: {str(m): "grouped"}}), dt)
+    grouped = ProjectionStage(layers, Policy({stage: {str(m): "grouped"}}), dt)
     calls, total = [], 0
     for layer in layers:
         attn = layer.self_attn
@@ -131,38 +137,29 @@ def _projection_case(model, m: int, kind: str, stage: str) -> Case:
                  torch.rand(m, cfg.hc_mult, generator=gen, device=dev) * 2,
                  torch.full((m, cfg.hc_mult, cfg.hc_mult), 1.0 / cfg.hc_mult, device=dev))
         if kind == DSA:  # the attention's values, heads outermost in memory as the einsum writes them
-            inputs = torch.randn(attn.num_heads, m, attn.v_dim, generator=gen, device=dev).transpose(0, 1)
-        else:  # (module, input): None for the boundary's output
-            inputs = [(_get(attn, n), None) for n in group_names]
-            for n in single_names:
-                mod = _get(attn, n)
-                inputs.append((mod, torch.randn(m, mod.in_features, generator=gen, device=dev).to(dt)))
+            y = torch.randn(attn.num_heads, m, attn.v_dim, generator=gen, device=dev).transpose(0, 1)
+        else:
+            y = torch.randn(m, attn.o_proj.in_features, generator=gen, device=dev).to(dt)
         # Whether the group reads an fp16 copy of the boundary's output: then the boundary writes one in every
         # run and in `before` (where the group does, "single" members can, and stock reads none).
-        calls.append((layer.attn_hc, layer.input_layernorm, state, attn, inputs, grouped.reads_x16(layer, m)))
+        calls.append((layer, state, y, grouped.reads_x16(layer, m)))
         total += sum(_linear_bytes(_get(attn, n)) for n in group_names + single_names)
     calls = calls * _copies(total)
 
     def before():
-        for hc, norm, state, _, _, x16 in calls:
-            boundary(*state, hc, norm, x16=x16)
+        for layer, state, _, x16 in calls:
+            boundary(*state, layer.attn_hc, layer.input_layernorm, x16=x16)
         copies.clear()
 
     runs = {}
     for choice in STAGES[stage] + (STOCK,):
-        routes = ProjectionRoutes(layers, Policy({stage: {str(m): choice}}), dt, copies)
-        table = routes.table(m)
+        projections = ProjectionStage(layers, Policy({stage: {str(m): choice}}), dt, copies)
 
-        def run(table=table, routes=routes, late=choice in RELEASE_LATE):
-            with routed(table):
-                for hc, norm, state, attn, inputs, x16 in calls:
-                    x = boundary(*state, hc, norm, late, x16=x16)[3]
-                    if kind == DSA:
-                        _dsa_projections(attn, x, inputs)
-                    else:
-                        for mod, xin in inputs:
-                            mod(x if xin is None else xin)
-                    routes.reset()
+        def run(projections=projections, late=choice in RELEASE_LATE):
+            for layer, state, y, x16 in calls:
+                x = boundary(*state, layer.attn_hc, layer.input_layernorm, late, x16=x16)[3]
+                runs_stage = projections.runs(layer, m)
+                _projections(layer.self_attn, kind, x, y, projections if runs_stage else None, m)
             copies.clear()
 
         runs[choice] = run

@@ -14,6 +14,8 @@ replicated: every rank computes and stores the same rows.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -26,12 +28,24 @@ from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
 from .linear import Linear
 from .norm import RMSNorm
 from .params import TensorSpec
-from .routing import cast_input
 
 PREFILL_CHUNK_ELEMS = 1 << 26
 """Budget (elements) of the per-chunk score and gathered-latent tensors of the eager prefill path."""
 MAX_PREFILL_CHUNK = 256
 """Most prefill queries attended in one chunk."""
+
+
+class DsaProjections(NamedTuple):
+    """What a DSA layer's projections make of its input x [T, hidden]: the attention queries `q`
+    [T, H, nope], the normalised latent `c` [T, kv_lora] (x's dtype), and the indexer's query `qi`
+    [T, Hi, d], fp32 head weights `wi` [T, Hi], key `ki` [T, d] and KPool gate logits `gi` [T, d]."""
+
+    q: torch.Tensor
+    c: torch.Tensor
+    qi: torch.Tensor
+    wi: torch.Tensor
+    ki: torch.Tensor
+    gi: torch.Tensor
 
 
 class SparseMLA(nn.Module):
@@ -75,44 +89,51 @@ class SparseMLA(nn.Module):
         w = self.kv_b_proj.dense_weight(torch.float32).view(self.num_heads, self.nope_dim + self.v_dim, -1)
         return w[:, : self.nope_dim], w[:, self.nope_dim :]
 
-    def forward(
+    def project(self, x: torch.Tensor) -> DsaProjections:
+        """The projections of normalised inputs `x` [T, hidden] (the sublayer's first piece): the latents
+        and their norms, the q_b, and the indexer's."""
+        cq = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(cq)
+        c = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))
+        return self.projected(x, q, c, self.indexer.wq_b(cq), self.indexer.wk(x))
+
+    def projected(self, x: torch.Tensor, q: torch.Tensor, c: torch.Tensor, qi: torch.Tensor,
+                  ki: torch.Tensor) -> DsaProjections:
+        """The projections of `x` [T, hidden] from the outputs of its linears and latent norms: `q` of the
+        q_b [T, H * nope], `c` of the kv_a norm, `qi` of the indexer's wq_b and `ki` of its wk (before its
+        key norm)."""
+        qi, wi, ki, gi = self.indexer.outputs(x, qi, ki)
+        return DsaProjections(q.view(x.shape[0], self.num_heads, self.nope_dim), c, qi, wi, ki, gi)
+
+    def attention(
         self,
-        x: torch.Tensor,
+        p: DsaProjections,
         md: AttnMetadata,
         cache: DsaCache,
         selection: torch.Tensor | None = None,
         return_selection: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The sublayer output `[T, hidden]` (x's dtype) for normalised inputs `x` `[T, hidden]`.
-
-        `selection`: optional `[T, K]` int64 pools per token (-1 = none) to attend to instead of running
-        the indexer's top-k, e.g. an earlier step's selection reused by an MTP draft step (spec section 8,
-        `index_share_for_mtp_iteration`); caches and pools are still written. With `return_selection`
-        the result is `(output, selection)`, the selection `[T, index_topk / index_kpool]` int64 padded
-        with -1.
-        """
-        t = x.shape[0]
-        cq = self.q_a_layernorm(self.q_a_proj(x))
-        q = self.q_b_proj(cq).view(t, self.num_heads, self.nope_dim)
-        c = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))
-        qi, wi, ki, gi = self.indexer.project(x, cq)
-
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The attention's values `[T, H, v]` fp32 (heads outermost in memory, as the W_UV product leaves
+        them), the o_proj's input once cast, of the step's projections `p`; writes the caches and pools.
+        `selection` / `return_selection` as in `forward`: the second result is the selection, or None."""
+        t = p.q.shape[0]
+        dev = p.q.device
         rows = cache.token_rows(md.slot_mapping)
-        cache.latent.view(-1, self.kv_lora_rank).index_copy_(0, rows, c.to(cache.latent.dtype))
-        cache.index_key.view(-1, ki.shape[-1]).index_copy_(0, rows, ki.to(cache.index_key.dtype))
-        cache.index_gate.view(-1, gi.shape[-1]).index_copy_(0, rows, gi.to(cache.index_gate.dtype))
+        cache.latent.view(-1, self.kv_lora_rank).index_copy_(0, rows, p.c.to(cache.latent.dtype))
+        cache.index_key.view(-1, p.ki.shape[-1]).index_copy_(0, rows, p.ki.to(cache.index_key.dtype))
+        cache.index_gate.view(-1, p.gi.shape[-1]).index_copy_(0, rows, p.gi.to(cache.index_gate.dtype))
         self.indexer.write_pools(md.positions, md.slot_mapping, cache)
 
         w_uk, w_uv = self.absorbed_weights()
-        q_lat = torch.einsum("thn,hnr->thr", q.float(), w_uk)
-        ctx = torch.full((t, self.num_heads, self.kv_lora_rank), float("nan"), device=x.device)
+        q_lat = torch.einsum("thn,hnr->thr", p.q.float(), w_uk)
+        ctx = torch.full((t, self.num_heads, self.kv_lora_rank), float("nan"), device=dev)
         chosen = None
         if return_selection:
-            chosen = torch.full((t, self.indexer.topk_pools), -1, dtype=torch.int64, device=x.device)
+            chosen = torch.full((t, self.indexer.topk_pools), -1, dtype=torch.int64, device=dev)
 
         def attend_rows(a: int, b: int, tables: torch.Tensor) -> None:
             given = None if selection is None else selection[a:b]
-            ctx[a:b], sel = self.attend(q_lat[a:b], qi[a:b], wi[a:b], md.positions[a:b], tables, cache, given)
+            ctx[a:b], sel = self.attend(q_lat[a:b], p.qi[a:b], p.wi[a:b], md.positions[a:b], tables, cache, given)
             if chosen is not None:
                 chosen[a:b, : sel.shape[1]] = sel[:, : chosen.shape[1]]
 
@@ -129,9 +150,31 @@ class SparseMLA(nn.Module):
             for lo in range(a, b, step):
                 hi = min(b, lo + step)
                 attend_rows(lo, hi, tables)
+        return torch.einsum("thr,hvr->thv", ctx, w_uv), chosen
 
-        o = cast_input(self.o_proj, torch.einsum("thr,hvr->thv", ctx, w_uv), x.dtype)
-        out = self.o_proj(o.reshape(t, self.num_heads * self.v_dim))
+    def output(self, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The sublayer output [T, hidden] `dtype` of the attention's values [T, H, v]: cast, then o_proj."""
+        return self.o_proj(values.to(dtype).reshape(values.shape[0], self.num_heads * self.v_dim))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        md: AttnMetadata,
+        cache: DsaCache,
+        selection: torch.Tensor | None = None,
+        return_selection: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The sublayer output `[T, hidden]` (x's dtype) for normalised inputs `x` `[T, hidden]`:
+        `output(attention(project(x)))`.
+
+        `selection`: optional `[T, K]` int64 pools per token (-1 = none) to attend to instead of running
+        the indexer's top-k, e.g. an earlier step's selection reused by an MTP draft step (spec section 8,
+        `index_share_for_mtp_iteration`); caches and pools are still written. With `return_selection`
+        the result is `(output, selection)`, the selection `[T, index_topk / index_kpool]` int64 padded
+        with -1.
+        """
+        values, chosen = self.attention(self.project(x), md, cache, selection, return_selection)
+        out = self.output(values, x.dtype)
         return (out, chosen) if return_selection else out
 
     def _prefill_chunk(self, context: int) -> int:

@@ -119,8 +119,15 @@ class Indexer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The indexer query `[T, H, d]`, fp32 head weights `[T, H]` (scale folded in), key `[T, d]` and
         KPool gate logits `[T, d]` of tokens `x` `[T, hidden]` with normalised query latent `cq` `[T, q_lora]`."""
-        q = self.wq_b(cq).view(-1, self.n_heads, self.head_dim)
-        k = self.k_norm(self.wk(x))
+        return self.outputs(x, self.wq_b(cq), self.wk(x))
+
+    def outputs(
+        self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`project`'s results from the outputs of its linears: `q` of wq_b [T, H * d], `k` of wk [T, d]
+        (before the key norm)."""
+        q = q.view(-1, self.n_heads, self.head_dim)
+        k = self.k_norm(k)
         w = F.linear(x.float(), self.weights_proj.dense_weight(torch.float32)) * self.head_weight_scale
         g = F.linear(x, self.index_kpool_compress_gate.to(x.dtype))
         return q, w, k, g

@@ -16,6 +16,8 @@ the model dtype; the delta rule and the output norm run in fp32.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -47,6 +49,20 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     x32 = x.float()
     y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
     return (y * torch.sigmoid(gate.float())).to(x.dtype)
+
+
+class KdaProjections(NamedTuple):
+    """The projections of a KDA layer's input x [T, hidden], each [T, width] in x's dtype."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    b: torch.Tensor
+    """The write-strength logits [T, H]."""
+    f: torch.Tensor
+    """The decay projection f_b(f_a(x)) [T, H * K]."""
+    g: torch.Tensor
+    """The output gate g_b(g_a(x)) [T, H * V]."""
 
 
 class KimiDeltaAttention(nn.Module):
@@ -108,10 +124,11 @@ class KimiDeltaAttention(nn.Module):
         return specs
 
     # ------------------------------------------------------------ per-token maths
-    def log_decay(self, x: torch.Tensor) -> torch.Tensor:
-        """The per-channel log-decay `lower_bound * sigmoid(exp(A_log) * (f_b(f_a(x)) + dt_bias))` [T, H, K] fp32."""
-        raw = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
-        raw = raw.view(x.shape[0], self.num_heads, self.head_dim)
+    def log_decay(self, f: torch.Tensor) -> torch.Tensor:
+        """The per-channel log-decay `lower_bound * sigmoid(exp(A_log) * (f + dt_bias))` [T, H, K] fp32 of
+        the decay projection `f = f_b(f_a(x))` [T, H * K]."""
+        raw = f.float() + self.dt_bias.float()
+        raw = raw.view(f.shape[0], self.num_heads, self.head_dim)
         rate = self.A_log.float().exp().view(self.num_heads, 1)
         return self.lower_bound * torch.sigmoid(rate * raw)
 
@@ -135,16 +152,22 @@ class KimiDeltaAttention(nn.Module):
         return l2_normalize(q) * self.head_dim**-0.5, l2_normalize(k), v.float()
 
     # ------------------------------------------------------------ forward
-    def forward(self, x: torch.Tensor, md: AttnMetadata, state: KdaState) -> torch.Tensor:
-        """The layer output [T, hidden] (x's dtype) of the step's tokens x [T, hidden]; updates `state`."""
+    def project(self, x: torch.Tensor) -> KdaProjections:
+        """The projections of the step's tokens x [T, hidden] (the layer's first piece)."""
+        return KdaProjections(self.q_proj(x), self.k_proj(x), self.v_proj(x), self.b_proj(x),
+                              self.f_b_proj(self.f_a_proj(x)), self.g_b_proj(self.g_a_proj(x)))
+
+    def mix(self, p: KdaProjections, md: AttnMetadata, state: KdaState) -> torch.Tensor:
+        """The gated, normalised delta-rule outputs [T, H * V] (the projections' dtype), the o_proj's input,
+        of the step's projections `p`: conv, gates, recurrence and output norm; updates `state`."""
         nd = md.num_decodes
         q_per = md.num_decode_tokens // nd if nd else 1
         if md.num_decode_tokens != nd * q_per:
             raise ValueError(f"{md.num_decode_tokens} decode tokens over {nd} sequences: a verify step is uniform")
-        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, 3HK]
-        decay = self.log_decay(x)
+        mixed = torch.cat([p.q, p.k, p.v], dim=-1)  # [T, 3HK]
+        decay = self.log_decay(p.f)
         # transformers takes this sigmoid in the model dtype; the delta rule then upcasts it.
-        beta = torch.sigmoid(self.b_proj(x)).float()
+        beta = torch.sigmoid(p.b).float()
         parts = []
         if nd:
             slots = state.slots(md.state_indices[:nd])
@@ -159,10 +182,14 @@ class KimiDeltaAttention(nn.Module):
             slot = state.slots(md.state_indices[s : s + 1])
             fresh = md.context_lens_cpu[s] == 0
             parts.append(self._prefill(mixed[a:b], decay[a:b], beta[a:b], slot, fresh, state))
-        core = torch.cat(parts).to(x.dtype)  # [T, H, V]
-        gate = self.g_b_proj(self.g_a_proj(x)).view_as(core)
-        y = gated_rms_norm(core, gate, self.o_norm_weight, self.norm_eps)
-        return self.o_proj(y.reshape(x.shape[0], -1))
+        core = torch.cat(parts).to(p.q.dtype)  # [T, H, V]
+        y = gated_rms_norm(core, p.g.view_as(core), self.o_norm_weight, self.norm_eps)
+        return y.reshape(core.shape[0], -1)
+
+    def forward(self, x: torch.Tensor, md: AttnMetadata, state: KdaState) -> torch.Tensor:
+        """The layer output [T, hidden] (x's dtype) of the step's tokens x [T, hidden]; updates `state`:
+        `o_proj(mix(project(x)))`."""
+        return self.o_proj(self.mix(self.project(x), md, state))
 
     def _decode(
         self, mixed: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor, state: KdaState

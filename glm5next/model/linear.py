@@ -8,7 +8,6 @@ from torch import nn
 
 from ..parallel.group import Shard
 from .params import FP8_DTYPE, TensorSpec, dequantize_fp8, set_param
-from .routing import route_of
 
 
 class Linear(nn.Module):
@@ -37,9 +36,6 @@ class Linear(nn.Module):
         return self.weight.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        route = route_of(self)
-        if route is not None:
-            return route(x)
         return F.linear(x, self.dense_weight(x.dtype))
 
     def tensor_specs(self, prefix: str) -> dict[str, TensorSpec]:

@@ -10,7 +10,6 @@ from ..parallel.collectives import reduce_output
 from ..parallel.group import SINGLE, TensorParallel
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
 from .params import TensorSpec
-from .routing import route_of
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -36,11 +35,7 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp, what, reduce=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        route = route_of(self)
-        if route is not None:
-            y = route(x)
-        else:
-            y = self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.swiglu_limit))
+        y = self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.swiglu_limit))
         return reduce_output(y, self.tp) if self.reduce else y
 
     def tensor_specs(self, prefix: str) -> dict[str, TensorSpec]:

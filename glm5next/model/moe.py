@@ -180,16 +180,26 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, graph_safe: bool = False) -> torch.Tensor:
         grouped = self.grouped() if x.is_cuda and not graph_safe else None
-        if grouped is not None:
+        if grouped is not None:  # (`runs_grouped`)
             # Eager steps on a GPU (prefill, mixed steps): the grouped expert kernels, shared expert included.
             ids, weights = self.gate(x)
             return reduce_output(moe_prefill(x, ids, weights, grouped, self.experts.swiglu_limit), self.tp)
-        # The shared expert first: in a planned decode step its kernels then follow the boundary that
-        # produces x directly, so they can start (and fetch their weights) while it finishes. The sum
-        # is the same (routed + shared) whatever runs first.
+        # The shared expert first, as a planned decode step runs it (see `routed_experts`).
         shared = self.shared_experts(x)
+        return reduce_output(self.routed_experts(x, graph_safe) + shared, self.tp)
+
+    def routed_experts(self, x: torch.Tensor, graph_safe: bool = False) -> torch.Tensor:
+        """The router and the routed experts of `x` [T, D]: this rank's partial sum [T, D] in x's dtype,
+        to which the shared expert's output is added before the reduction. (A planned decode step runs
+        its shared-expert stage before this, so the stage's kernels follow the boundary that produces x
+        directly and fetch their weights while it finishes; the sum is the same whatever runs first.)"""
         ids, weights = self.gate(x)
-        return reduce_output(self.experts(x, ids, weights, graph_safe) + shared, self.tp)
+        return self.experts(x, ids, weights, graph_safe)
+
+    def runs_grouped(self, x: torch.Tensor, graph_safe: bool) -> bool:
+        """Whether `forward` runs `x` through the grouped expert kernels, shared expert included (eager
+        steps on a GPU), rather than as the shared expert plus `routed_experts`."""
+        return x.is_cuda and not graph_safe and self.grouped() is not None
 
     def grouped(self) -> ExpertWeights | None:
         """The weights as the grouped expert kernels read them, or None where they cannot (a shared expert

@@ -50,9 +50,7 @@ class MtpLayer(nn.Module):
         the first draft step's selection.
         """
         md = ctx.metadata(self.self_attn.prefix)
-        first = (md.positions == 0).unsqueeze(-1)
-        embedded = torch.where(first, torch.zeros_like(embedded), embedded)
-        z = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
+        z = self.combine(embedded, hidden, md.positions)
         a = self.self_attn(self.input_layernorm(z), md, cache.dsa[self.layer_idx], selection, return_selection)
         a, chosen = a if return_selection else (a, None)
         r = a + z
@@ -60,6 +58,13 @@ class MtpLayer(nn.Module):
         f = self.mlp(self.post_attention_layernorm(r), graph_safe=graph_safe)
         out = self.shared_head_norm(f + r)
         return (out, chosen) if return_selection else out
+
+    def combine(self, embedded: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The block's input [T, D]: `eh_proj` of the normalised embeddings (zeroed at position 0) and
+        hidden states, each [T, D]; `positions` [T] int64."""
+        first = (positions == 0).unsqueeze(-1)
+        embedded = torch.where(first, torch.zeros_like(embedded), embedded)
+        return self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
 
     def tensor_specs(self) -> dict[str, TensorSpec]:
         """Every checkpoint tensor of the MTP layer."""

@@ -6,7 +6,6 @@ import torch
 from torch import nn
 
 from .params import TensorSpec, set_param
-from .routing import route_of
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -26,9 +25,6 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, device="meta"), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        route = route_of(self)
-        if route is not None:  # a planned decode step may run it as a kernel (see `routing`)
-            return route(x)
         return rms_norm(x, self.weight, self.eps)
 
     def tensor_specs(self, prefix: str) -> dict[str, TensorSpec]:

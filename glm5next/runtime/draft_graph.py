@@ -133,8 +133,7 @@ class DraftGraphs:
         prefix = self.drafter.prefix
         ctx = ForwardContext({prefix: md}, md.positions, CUDAGraphMode.FULL, True)
         emb = self.model.embed(self._next_ids(size))
-        with self.drafter._stages(size):
-            out, sel = self.model.mtp(emb, hidden[:size], ctx, self.cache, return_selection=True)
+        out, sel = self.drafter.forward_mtp(emb, hidden[:size], ctx, return_selection=True)
         rows = torch.arange(n, device=self.device)
         last = rows * q + (accepted - 1).clamp(min=0)
         h, sel = out[last], sel[last]
@@ -156,8 +155,7 @@ class DraftGraphs:
                 token_to_seq=rows, slot_mapping=torch.where(fits, block * bs + pos % bs, -1),
                 state_indices=md.state_indices, block_tables=md.block_tables, seq_lens=pos + 1)
             dctx = ForwardContext({prefix: dmd}, pos, CUDAGraphMode.FULL, True)
-            with self.drafter._stages(n):
-                h = self.model.mtp(self.model.embed(tok), h, dctx, self.cache, selection=sel)
+            h = self.drafter.forward_mtp(self.model.embed(tok), h, dctx, selection=sel)
         return torch.stack(drafts, 1), (torch.stack(probs, 1) if sampled else None)
 
     # ------------------------------------------------------------ graphs

@@ -16,7 +16,6 @@ the embedding of the previous draft, reusing the first draft step's indexer sele
 from __future__ import annotations
 
 import json
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -96,8 +95,12 @@ class MtpDrafter:
     def _ctx(self, md) -> ForwardContext:
         return ForwardContext({self.prefix: md}, md.positions)
 
-    def _stages(self, tokens: int):
-        return self.stages.routed(tokens) if self.stages is not None else nullcontext()
+    def forward_mtp(self, embedded, hidden, ctx: ForwardContext, **kw):
+        """The draft layer's forward (`MtpLayer.forward`; `kw`: selection, return_selection), through the
+        executor's draft stages where there are any."""
+        if self.stages is not None:
+            return self.stages.forward(self.model.mtp, embedded, hidden, ctx, self.cache, **kw)
+        return self.model.mtp(embedded, hidden, ctx, self.cache, **kw)
 
     def _capacity(self, row: DraftRow) -> int:
         return len(row.blocks) * self.cache.block_size
@@ -112,8 +115,7 @@ class MtpDrafter:
                             [r.slot for r in rows], [r.blocks for r in rows], self.cache.block_size, self.device)
         emb = self.model.embed(torch.tensor([t for r in rows for t in r.next_tokens], device=self.device))
         hidden = torch.cat([r.hidden for r in rows])
-        with self._stages(emb.shape[0]):
-            out, sel = self.model.mtp(emb, hidden, self._ctx(md), self.cache, return_selection=True)
+        out, sel = self.forward_mtp(emb, hidden, self._ctx(md), return_selection=True)
         want = [i for i, r in enumerate(rows) if r.params is not None]
         results: list = [None] * len(rows)
         if not want:
@@ -142,8 +144,7 @@ class MtpDrafter:
             dmd = build_metadata([1] * len(want), pos, len(want), [rows[i].slot if f else -1 for i, f in zip(want, fits)],
                                  [rows[i].blocks for i in want], self.cache.block_size, self.device)
             emb = self.model.embed(torch.tensor(toks, device=self.device))
-            with self._stages(emb.shape[0]):
-                h = self.model.mtp(emb, h, self._ctx(dmd), self.cache, selection=sel)
+            h = self.forward_mtp(emb, h, self._ctx(dmd), selection=sel)
         for i in want:
             results[i] = (drafts[i], torch.stack(probs[i]) if probs[i] else None)
         return results

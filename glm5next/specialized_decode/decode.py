@@ -1,16 +1,28 @@
-"""The specialized decode executor over the stock backbone: one routing decision per step, then
+"""The specialized decode executor over the stock backbone: one plan per step (which stage runs what), then
 every layer's stages in one loop.
 
 `SpecializedDecode` is built once the weights are loaded; it reads the backbone and never
 modifies it. For a captured decode step of at most 64 tokens (a pure decode, or a uniform verify
-of q tokens per request) `plan()` returns a `Step`, and `run()` walks every layer: the fused mHC
-boundary between sublayers, and for each sublayer the stage the policy picks at this token count
-or else the stock module. Every other step runs the stock forward.
+of q tokens per request) `plan()` returns a `Step`, and `run()` walks every layer, calling each
+stage object itself, or the stock module where the policy says stock at this token count:
+
+- between sublayers, the fused mHC boundary (`BoundaryStage`) or the stock post, pre and norm;
+- the attention sublayer: where the projection stage runs (`ProjectionStage`), its projections
+  (`kda` / `dsa`, returning what the stock `project` piece returns), then the stock middle piece
+  (`KimiDeltaAttention.mix`: conv, gates, recurrence, norm; `SparseMLA.attention`: cache writes,
+  indexer, sparse attention), then its o_proj (`kda_output` / `dsa_output`, the DSA values' cast
+  included); else the stock sublayer;
+- the FFN: the MoE stage (router, routed and shared experts), the dense MLP stage, or the shared
+  expert stage added to the stock router and routed experts (`MoE.routed_experts`); else the
+  stock module.
+
+The stock modules never consult anything the executor sets: which code runs is decided here.
+`DraftStages.forward` runs the MTP draft layer the same way.
 
 Under tensor parallelism the executor runs on every rank over that rank's shards. `plan()` reads
 only the step metadata, so every rank plans alike. Where the policy's `boundary` table covers the
 token count (up to `boundary_max_tokens`), sublayers leave their outputs TP-partial (`partial()`):
-the stock modules run inside `partial_outputs()`, so their row-parallel output stays this rank's
+the stock pieces run inside `partial_outputs()`, so their row-parallel output stays this rank's
 share, and `reduced_boundary` all-reduces it and applies the boundary — one collective per
 sublayer, where the fused symmetric-memory kernel will do both in one launch on GPUs. Elsewhere
 the stock modules all-reduce their own outputs. The head stage's vocab shards are all-gathered.
@@ -18,21 +30,20 @@ the stock modules all-reduce their own outputs. The head stage's vocab shards ar
 
 from __future__ import annotations
 
-import functools
 import logging
-from contextlib import contextmanager
+from contextlib import nullcontext
 
 import torch
 
+from ..config import KDA
 from ..model.backbone import Glm5NextModel
 from ..model.mhc import hc_contract, hc_expand, hc_post
-from ..model.routing import routed
-from ..parallel.collectives import all_gather, all_reduce, partial_outputs
+from ..parallel.collectives import all_gather, all_reduce, partial_outputs, reduce_output
 from ..runtime.metadata import AttnMetadata, CUDAGraphMode, ForwardContext
 from .boundary import BoundaryStage
 from .copies import Fp16Copies
 from .dense_mlp import DenseMlpStage
-from .linear import ProjectionRoutes
+from .linear import ProjectionStage
 from .logits import LogitsStage
 from .moe import MoeStage
 from .policy import MAX_TOKENS, Policy
@@ -97,7 +108,7 @@ class LayerStages:
             if len(eps) != 1:
                 logger.warning("specialized decode: mixed norm eps %s, no fused boundary", sorted(eps))
                 self.boundary_stage = None
-        self.projections = ProjectionRoutes(layers, self.policy, self.backbone.embed_tokens.dtype, self.copies)
+        self.projections = ProjectionStage(layers, self.policy, self.backbone.embed_tokens.dtype, self.copies)
         self.dense = {}
         if self.policy.enabled("dense_mlp"):
             self.dense = {layer.layer_idx: DenseMlpStage(layer.mlp, self.copies) for layer in layers
@@ -124,18 +135,6 @@ class LayerStages:
         under tensor parallelism, where the policy runs the boundary stage."""
         return (self.backbone.tp.size > 1 and tokens <= self.boundary_max_tokens
                 and self.policy("boundary", tokens) is not None)
-
-    def routes(self, tokens: int) -> dict:
-        """The stock-module calls this step sends to stages: projections and shared experts."""
-        table = self.projections.table(tokens)
-        choice = self.policy("shared_expert", tokens)
-        if choice:
-            for idx, stage in self.shared.items():
-                if self.runs_moe(idx, tokens):
-                    continue
-                table[id(self.layers_by_idx[idx].mlp.shared_experts)] = (
-                    functools.partial(stage, overlap=True) if choice == "fused-overlap" else stage)
-        return table
 
     def runs_moe(self, layer_idx: int, tokens: int) -> bool:
         """Whether the MoE stage runs layer `layer_idx`'s FFN at this token count (shared expert included)."""
@@ -165,28 +164,56 @@ class LayerStages:
                     and shared.reads_x16(tokens, dtype)))
 
     def attention(self, layer, x: torch.Tensor, step: Step) -> tuple[torch.Tensor, bool]:
-        """The attention output and whether it is still TP-partial (stock module; projections routed)."""
-        if self.partial(x.shape[0]):
-            with partial_outputs():
-                return layer.attention(x, step.ctx, step.cache), True
-        return layer.attention(x, step.ctx, step.cache), False
+        """The attention output and whether it is still TP-partial: the projection stage, the stock
+        middle piece and the o_proj stage where the policy runs the projections, else the stock sublayer."""
+        tokens = x.shape[0]
+        partial = self.partial(tokens)
+        with partial_outputs() if partial else nullcontext():
+            if not self.projections.runs(layer, tokens):
+                return layer.attention(x, step.ctx, step.cache), partial
+            attn, md = layer.self_attn, step.ctx.metadata(layer.self_attn.prefix)
+            if layer.layer_kind == KDA:
+                y = attn.mix(self.projections.kda(attn, x, tokens), md, step.cache.kda[layer.layer_idx])
+                return self.projections.kda_output(attn, y, tokens), partial
+            return self.dsa_attention(attn, x, md, step.cache.dsa[layer.layer_idx])[0], partial
+
+    def dsa_attention(self, attn, x: torch.Tensor, md: AttnMetadata, cache, selection=None,
+                      return_selection: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`attn.forward` (a DSA sublayer's) with its projections and o_proj on the projection stage,
+        which runs at this token count: the output [T, hidden] and the selection (or None)."""
+        tokens = x.shape[0]
+        p = self.projections.dsa(attn, x, tokens)
+        values, chosen = attn.attention(p, md, cache, selection, return_selection)
+        return self.projections.dsa_output(attn, values, x.dtype, tokens), chosen
+
+    def ffn_stages(self, layer, x: torch.Tensor, ctx: ForwardContext, slots: torch.Tensor | None):
+        """This rank's partial FFN output [T, D] where a stage runs `layer`'s FFN at this token count
+        (`slots`: the step's cache slots, for the MoE stage), else None."""
+        idx, tokens = layer.layer_idx, x.shape[0]
+        if self.runs_moe(idx, tokens):
+            return self.moe[idx](x, slots)  # this rank's share of the experts
+        dense = self.dense.get(idx)
+        choice = self.policy("dense_mlp", tokens) if dense is not None else None
+        if choice:
+            return dense(x, overlap=choice == "fused-overlap")  # this rank's share of the row-parallel down
+        shared = self.shared.get(idx)
+        choice = self.policy("shared_expert", tokens) if shared is not None else None
+        graph_safe = ctx.cudagraph_mode != CUDAGraphMode.NONE
+        if not choice or layer.mlp.runs_grouped(x, graph_safe):
+            return None
+        # The shared expert first, right after the boundary that produces x, then the stock router and
+        # routed experts, summed as `MoE.forward` sums them.
+        y = shared(x, overlap=choice == "fused-overlap")
+        return layer.mlp.routed_experts(x, graph_safe) + y
 
     def mlp(self, layer, x: torch.Tensor, step: Step) -> tuple[torch.Tensor, bool]:
         """The FFN output and whether it is still TP-partial."""
-        if self.runs_moe(layer.layer_idx, x.shape[0]):
-            partial = self.partial(x.shape[0])
-            out = self.moe[layer.layer_idx](x, step.slots)  # this rank's share of the experts
+        partial = self.partial(x.shape[0])
+        out = self.ffn_stages(layer, x, step.ctx, step.slots)
+        if out is not None:
             return (out if partial else all_reduce(out, self.backbone.tp)), partial
-        dense = self.dense.get(layer.layer_idx)
-        choice = self.policy("dense_mlp", x.shape[0]) if dense is not None else None
-        if choice:
-            partial = self.partial(x.shape[0])
-            out = dense(x, overlap=choice == "fused-overlap")  # this rank's share of the row-parallel down
-            return (out if partial else all_reduce(out, self.backbone.tp)), partial
-        if self.partial(x.shape[0]):
-            with partial_outputs():
-                return layer.ffn(x, step.ctx), True
-        return layer.ffn(x, step.ctx), False
+        with partial_outputs() if partial else nullcontext():
+            return layer.ffn(x, step.ctx), partial
 
     def boundary(self, hc, norm, out, streams, post, comb, release_late: bool = False, x16: bool = False):
         """The previous sublayer's mHC post, then the next sublayer's pre and its norm (`release_late`:
@@ -217,20 +244,38 @@ class DraftStages(LayerStages):
         self.layers_by_idx = {mtp.layer_idx: mtp}
         self._build_stages([mtp])
         self.boundary_stage = None
-        self.moe = {}  # the draft layer's FFN runs in its stock forward (its shared expert routed)
+        self.moe = {}  # the draft layer's routed experts run stock (its shared expert on its stage)
         self.calls = 0
-        """Draft-layer forwards that ran with at least one stage routed."""
+        """Draft-layer forwards that ran at least one stage."""
 
-    @contextmanager
-    def routed(self, tokens: int):
-        """Route the draft layer's stock calls to its stages for one `tokens`-row forward."""
-        table = self.routes(tokens)
-        self.calls += bool(table)
-        with routed(table):
-            try:
-                yield
-            finally:
-                self.projections.reset()
+    def runs_any(self, layer, tokens: int) -> bool:
+        """Whether a stage runs part of the draft layer at this token count."""
+        return (self.projections.runs(layer, tokens)
+                or (layer.layer_idx in self.shared and self.policy("shared_expert", tokens) is not None))
+
+    def forward(self, mtp, embedded: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext, cache,
+                selection: torch.Tensor | None = None, return_selection: bool = False):
+        """`MtpLayer.forward` with its DSA projections and o_proj and its shared expert on the stages the
+        policy gives this token count, the rest stock (outputs reduced where they are made)."""
+        tokens = embedded.shape[0]
+        self.calls += self.runs_any(mtp, tokens)
+        md = ctx.metadata(mtp.self_attn.prefix)
+        z = mtp.combine(embedded, hidden, md.positions)
+        x, dsa_cache = mtp.input_layernorm(z), cache.dsa[mtp.layer_idx]
+        if self.projections.runs(mtp, tokens):
+            a, chosen = self.dsa_attention(mtp.self_attn, x, md, dsa_cache, selection, return_selection)
+        else:
+            a = mtp.self_attn(x, md, dsa_cache, selection, return_selection)
+            a, chosen = a if return_selection else (a, None)
+        r = a + z
+        x = mtp.post_attention_layernorm(r)
+        f = self.ffn_stages(mtp, x, ctx, None)
+        if f is None:
+            f = mtp.mlp(x, graph_safe=ctx.cudagraph_mode != CUDAGraphMode.NONE)
+        else:
+            f = reduce_output(f, self.backbone.tp)
+        out = mtp.shared_head_norm(f + r)
+        return (out, chosen) if return_selection else out
 
 
 class SpecializedDecode(LayerStages):
@@ -350,11 +395,9 @@ class SpecializedDecode(LayerStages):
         """Normalized hidden states [tokens, D] of a planned step."""
         x = self.backbone.embed(input_ids)
         state = (False, None, None, None)
-        with routed(self.routes(step.tokens)):
-            try:
-                for layer in self.layers:
-                    x, *state = self.layer(layer, x, *state, step)
-            finally:
-                self.projections.reset()
-                self.copies.clear()
+        try:
+            for layer in self.layers:
+                x, *state = self.layer(layer, x, *state, step)
+        finally:
+            self.copies.clear()
         return x

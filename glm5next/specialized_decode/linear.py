@@ -1,16 +1,21 @@
-"""Skinny projections: the stock linears of the KDA and DSA modules, routed through the Triton
-GEMV kernels during planned steps.
+"""Skinny projections: the linears of the KDA and DSA sublayers on the Triton GEMV kernels, called
+explicitly by the layer loop in place of the stock projection piece (`KimiDeltaAttention.project`,
+`SparseMLA.project`) and the o_proj.
 
-"grouped" runs the projections one sublayer applies to the same input (KDA: q|k|v|b|f_a|g_a;
-DSA: q_a|kv_a|indexer wk) in one launch, and the rest one launch each; "grouped-early" the same with
-the group launched as a programmatic dependent of the kernel before it (in a step, the fused boundary,
-which releases its dependents as it starts), so the group's weights stream into L2 while the boundary
-runs; "grouped-overlap" the same with the boundary releasing the group only once its partial products
-are stored, so that prefetch runs beside the boundary's finisher rather than its loads; "single" runs every projection in its own launch. The weights stay where the backbone keeps them. A launch whose
-input has an fp16 copy filed (`Fp16Copies`) reads that. The boundary writes one where the group reads it;
-in a DSA layer whose projections are routed, the q_a norm runs as one kernel (`NormRoute`, as does the
-kv_a norm) that writes one where the q_b or the indexer's wq_b reads it, and the cast of the attention's
-values before the o_proj (`CastRoute`) writes one where the o_proj reads it.
+`ProjectionStage.kda(attn, x, tokens)` / `.dsa(attn, x, tokens)` return what the stock piece returns
+(`KdaProjections`, `DsaProjections`); the executor passes them to the stock middle (`mix`, `attention`)
+and its output to `.kda_output` / `.dsa_output`. "grouped" runs the projections one sublayer applies to
+the same input (KDA: q|k|v|b|f_a|g_a; DSA: q_a|kv_a|indexer wk) in one launch, and the rest one launch
+each; "grouped-early" the same with the group launched as a programmatic dependent of the kernel before
+it (in a step, the fused boundary, which releases its dependents as it starts), so the group's weights
+stream into L2 while the boundary runs; "grouped-overlap" the same with the boundary releasing the group
+only once its partial products are stored, so that prefetch runs beside the boundary's finisher rather
+than its loads; "single" runs every projection in its own launch. A linear the kernels cannot run
+(`routable`) runs its stock module. The weights stay where the backbone keeps them. A launch whose input
+has an fp16 copy filed (`Fp16Copies`) reads that. The boundary writes one where the group reads it; in a
+DSA layer the stage runs the latent norms as kernels (`NormKernel`), the q_a norm's writing a copy where
+the q_b or the indexer's wq_b reads one, and the cast of the attention's values before the o_proj
+(`CastKernel`) writing one where the o_proj reads it.
 """
 
 from __future__ import annotations
@@ -20,10 +25,14 @@ import math
 import torch
 
 from ..config import DSA, KDA
+from ..model.dsa import DsaProjections
+from ..model.kda import KdaProjections
 from ..model.linear import Linear
 from ..model.norm import RMSNorm
 from ..model.norm import rms_norm as rms_norm_stock
 from ..model.params import FP8_DTYPE
+from ..parallel.collectives import reduce_output
+from ..parallel.layers import RowParallelLinear
 from .copies import Fp16Copies
 
 KDA_GROUP = ("q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj", "g_a_proj")
@@ -52,8 +61,8 @@ def routable(linear: Linear, dtype: torch.dtype) -> bool:
     return linear.weight.dtype == dtype
 
 
-class SingleRoute:
-    """One projection, one launch."""
+class SingleLaunch:
+    """One projection, one launch; a row-parallel one's output reduced as its stock forward reduces it."""
 
     def __init__(self, linear: Linear, copies: Fp16Copies | None = None) -> None:
         self.linear = linear
@@ -63,7 +72,9 @@ class SingleRoute:
         from ..kernels.linear import skinny_linear
 
         x16 = None if self.copies is None else self.copies.get(x)
-        return skinny_linear(x, self.linear.weight, self.linear.weight_scale_inv, x16=x16)
+        y = skinny_linear(x, self.linear.weight, self.linear.weight_scale_inv, x16=x16)
+        m = self.linear
+        return reduce_output(y, m.tp) if isinstance(m, RowParallelLinear) and m.reduce else y
 
 
 def _rows(t: torch.Tensor) -> bool:
@@ -71,7 +82,7 @@ def _rows(t: torch.Tensor) -> bool:
     return t.dim() == 2 and (t.stride(1) == 1 or t.shape[1] <= 1)
 
 
-class NormRoute:
+class NormKernel:
     """An RMSNorm in one kernel; with `copy`, the kernel also writes its output in fp16, filed in `copies`
     for the projections after it that read such a copy."""
 
@@ -99,10 +110,10 @@ class NormRoute:
         return self.filed(rms_norm(x, self.norm.weight, self.norm.eps, out16), out16)
 
 
-class CastRoute:
-    """The cast of a module's input (`glm5next.model.routing.cast_input`) as one kernel that writes the
-    result contiguous, flattened to [T, -1] (the module's input is that view of it), and its fp16 copy,
-    filed in `copies` for the module's launch."""
+class CastKernel:
+    """The cast of the DSA attention's values before the o_proj (`SparseMLA.output`) as one kernel that
+    writes the result contiguous, flattened to [T, -1] (the o_proj's input is that view of it), and its
+    fp16 copy, filed in `copies` for the o_proj's launch."""
 
     def __init__(self, copies: Fp16Copies) -> None:
         self.copies = copies
@@ -118,99 +129,104 @@ class CastRoute:
         return out.view(x.shape)
 
 
-class GroupRoute:
-    """Projections of one input in one launch: the first member called with a new input runs them
-    all; the others return their share of that launch."""
+class GroupLaunch:
+    """Projections of one input in one launch: their outputs, in `members` order."""
 
     def __init__(self, members: list[Linear], copies: Fp16Copies | None = None) -> None:
         self.members = members
         self.copies = copies
         self.projections = [(m.weight, m.weight_scale_inv) for m in members]
-        self._x: torch.Tensor | None = None
-        self._outs: list[torch.Tensor] = []
 
-    def member(self, i: int, early: bool = False):
-        return lambda x: self._get(i, x, early)
+    def __call__(self, x: torch.Tensor, early: bool = False) -> list[torch.Tensor]:
+        from ..kernels.linear import skinny_linear_multi
 
-    def _get(self, i: int, x: torch.Tensor, early: bool = False) -> torch.Tensor:
-        if self._x is not x:
-            from ..kernels.linear import skinny_linear_multi
-
-            x16 = None if self.copies is None else self.copies.get(x)
-            self._outs = skinny_linear_multi(x, self.projections, pdl=True if early else None, x16=x16)
-            self._x = x
-        return self._outs[i]
-
-    def reset(self) -> None:
-        self._x, self._outs = None, []
+        x16 = None if self.copies is None else self.copies.get(x)
+        return skinny_linear_multi(x, self.projections, pdl=True if early else None, x16=x16)
 
 
-class ProjectionRoutes:
-    """Per token count, the routing table of every KDA and DSA projection the policy sends to kernels."""
+class ProjectionStage:
+    """The KDA and DSA projection stages of a set of layers, per token count as the policy picks."""
 
     def __init__(self, layers, policy, dtype: torch.dtype, copies: Fp16Copies | None = None) -> None:
         self.policy = policy
         self.dtype = dtype
         self.copies = copies
-        self.groups: dict[str, list[GroupRoute]] = {"kda_proj": [], "dsa_proj": []}
-        self.singles: dict[str, list[Linear]] = {"kda_proj": [], "dsa_proj": []}
-        self.members: dict[str, list[Linear]] = {"kda_proj": [], "dsa_proj": []}
-        self.grouped_layers: dict[int, tuple[str, GroupRoute]] = {}
-        """layer index -> the stage of its routed projection group, and the group."""
-        self.dsa_attns = []
-        """The attention modules of the DSA layers whose projections the policy may route."""
+        self.groups: dict[str, list[GroupLaunch]] = {"kda_proj": [], "dsa_proj": []}
+        self.grouped_layers: dict[int, tuple[str, GroupLaunch]] = {}
+        """layer index -> the stage of its projection group, and the group."""
+        self.stage_of: dict[int, str] = {}
+        """layer index -> the stage of its projections, for the layers whose stage the policy enables."""
+        self.launches: dict[int, dict[str, SingleLaunch]] = {}
+        """layer index -> its projections the kernels can run (by path in the attention module), one launch each."""
         for layer in layers:
             stage = STAGE_OF[layer.layer_kind]
             if not policy.enabled(stage):
                 continue
             attn = layer.self_attn
-            if stage == "dsa_proj":
-                self.dsa_attns.append(attn)
+            self.stage_of[layer.layer_idx] = stage
             group_names, single_names = (KDA_GROUP, KDA_SINGLES) if layer.layer_kind == KDA else (DSA_GROUP, DSA_SINGLES)
             group = [_get(attn, n) for n in group_names]
             if all(routable(m, dtype) for m in group) and len({m.weight.dtype for m in group}) == 1:
-                self.groups[stage].append(GroupRoute(group, copies))
+                self.groups[stage].append(GroupLaunch(group, copies))
                 self.grouped_layers[layer.layer_idx] = (stage, self.groups[stage][-1])
-            else:
-                self.singles[stage] += [m for m in group if routable(m, dtype)]
-            self.singles[stage] += [m for m in (_get(attn, n) for n in single_names) if routable(m, dtype)]
-            self.members[stage] += [m for m in group + [_get(attn, n) for n in single_names] if routable(m, dtype)]
+            self.launches[layer.layer_idx] = {n: SingleLaunch(_get(attn, n), copies) for n in group_names + single_names
+                                              if routable(_get(attn, n), dtype)}
 
-    def table(self, tokens: int) -> dict:
-        """Module id -> replacement call for a `tokens`-token planned step."""
-        table = {}
-        for stage in ("kda_proj", "dsa_proj"):
-            choice = self.policy(stage, tokens)
-            if choice in GROUPED:
-                for g in self.groups[stage]:
-                    for i, m in enumerate(g.members):
-                        table[id(m)] = g.member(i, early=choice in EARLY)
-                for m in self.singles[stage]:
-                    table[id(m)] = SingleRoute(m, self.copies)
-            elif choice == "single":
-                for m in self.members[stage]:
-                    table[id(m)] = SingleRoute(m, self.copies)
-        choice = self.policy("dsa_proj", tokens)
-        if choice in GROUPED + ("single",):
-            for attn in self.dsa_attns:
-                table.update(self._dsa_producers(attn, tokens, table, choice in GROUPED))
-        return table
+    def runs(self, layer, tokens: int) -> bool:
+        """Whether the stage runs `layer`'s projections at this token count (else its stock sublayer runs)."""
+        stage = self.stage_of.get(layer.layer_idx)
+        return stage is not None and self.policy(stage, tokens) in GROUPED + ("single",)
 
-    def _dsa_producers(self, attn, tokens: int, table: dict, grouped: bool) -> dict:
-        """The routes of a DSA layer's latent norms (one kernel for both where its group runs as one launch,
-        else one each; the q_a norm's writes an fp16 copy where the routed q_b or wq_b reads one) and of the
-        cast before its o_proj (where the routed o_proj reads a copy)."""
+    def _linear(self, attn, name: str):
+        """The call of `attn`'s projection `name` in a step the stage runs: its launch, or its stock module."""
+        return self.launches[attn.layer_idx].get(name) or _get(attn, name)
+
+    def _group(self, attn, x: torch.Tensor, tokens: int) -> list[torch.Tensor] | None:
+        """The outputs of `attn`'s projection group on `x` in one launch, where the choice groups it (else None)."""
+        stage, group = self.grouped_layers.get(attn.layer_idx, (None, None))
+        choice = None if stage is None else self.policy(stage, tokens)
+        return group(x, early=choice in EARLY) if choice in GROUPED else None
+
+    def kda(self, attn, x: torch.Tensor, tokens: int) -> KdaProjections:
+        """`attn.project(x)` (a KDA layer's) on the kernels: x [T, hidden]."""
+        outs = self._group(attn, x, tokens) or [self._linear(attn, n)(x) for n in KDA_GROUP]
+        q, k, v, b, f_a, g_a = outs
+        return KdaProjections(q, k, v, b, self._linear(attn, "f_b_proj")(f_a), self._linear(attn, "g_b_proj")(g_a))
+
+    def kda_output(self, attn, y: torch.Tensor, tokens: int) -> torch.Tensor:
+        """The KDA layer's o_proj of `y` [T, H * V]."""
+        return self._linear(attn, "o_proj")(y)
+
+    def _reads_x16(self, attn, name: str, tokens: int) -> bool:
+        """Whether the launch of `attn`'s projection `name` reads an fp16 copy of its input at this token count."""
         from ..kernels.linear import reads_x16
 
-        def reads(m: Linear) -> bool:
-            return id(m) in table and reads_x16(tokens, [m.weight], self.dtype)
+        launch = self.launches[attn.layer_idx].get(name)
+        return launch is not None and reads_x16(tokens, [launch.linear.weight], self.dtype)
 
-        copy = reads(attn.q_b_proj) or reads(attn.indexer.wq_b)
-        routes = {id(attn.q_a_layernorm): NormRoute(attn.q_a_layernorm, self.copies, copy),
-                  id(attn.kv_a_layernorm): NormRoute(attn.kv_a_layernorm)}
-        if self.copies is not None and reads(attn.o_proj):
-            routes[("input", id(attn.o_proj))] = CastRoute(self.copies)
-        return routes
+    def dsa(self, attn, x: torch.Tensor, tokens: int) -> DsaProjections:
+        """`attn.project(x)` (a DSA layer's) on the kernels, in its order: the group (or q_a), the q_a norm
+        (one kernel, writing the fp16 copy where the q_b or the wq_b launch reads one), the q_b, the kv_a
+        norm, the indexer's wq_b and wk."""
+        group = self._group(attn, x, tokens)
+        q_a = group[0] if group else self._linear(attn, "q_a_proj")(x)
+        copy = self._reads_x16(attn, "q_b_proj", tokens) or self._reads_x16(attn, "indexer.wq_b", tokens)
+        cq = NormKernel(attn.q_a_layernorm, self.copies, copy)(q_a)
+        q = self._linear(attn, "q_b_proj")(cq)
+        kv_a = group[1] if group else self._linear(attn, "kv_a_proj_with_mqa")(x)
+        c = NormKernel(attn.kv_a_layernorm)(kv_a)
+        qi = self._linear(attn, "indexer.wq_b")(cq)
+        ki = group[2] if group else self._linear(attn, "indexer.wk")(x)
+        return attn.projected(x, q, c, qi, ki)
+
+    def dsa_output(self, attn, values: torch.Tensor, dtype: torch.dtype, tokens: int) -> torch.Tensor:
+        """`attn.output(values, dtype)` on the kernels: the cast (one kernel writing the o_proj's fp16 copy,
+        where its launch reads one), then the o_proj. `values` [T, H, v] fp32."""
+        if self.copies is not None and self._reads_x16(attn, "o_proj", tokens):
+            cast = CastKernel(self.copies)(values, dtype)
+        else:
+            cast = values.to(dtype)
+        return self._linear(attn, "o_proj")(cast.reshape(values.shape[0], -1))
 
     def release_late(self, layer, tokens: int) -> bool:
         """Whether the boundary before `layer`'s attention releases the next launch only after its
@@ -229,9 +245,3 @@ class ProjectionRoutes:
         if choice in GROUPED:
             return reads_x16(tokens, weights, self.dtype)
         return choice == "single" and any(reads_x16(tokens, [w], self.dtype) for w in weights)
-
-    def reset(self) -> None:
-        """Drop the group outputs of the finished step."""
-        for groups in self.groups.values():
-            for g in groups:
-                g.reset()

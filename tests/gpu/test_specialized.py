@@ -8,8 +8,6 @@ import torch
 
 from glm5next.model.backbone import Glm5NextModel
 from glm5next.model.mhc import hc_post
-from glm5next.model.norm import RMSNorm
-from glm5next.model.routing import routed
 from glm5next.runtime.cache import ModelCache
 from glm5next.runtime.runner import DEFAULT_CAPTURE_SIZES, Runner, Sequence
 from glm5next.specialized_decode import STAGES, Policy, SpecializedDecode
@@ -60,16 +58,20 @@ def test_stages_equal_stock_in_bf16(model, m):
     assert rel(ex.dense[0](x), model.layers[0].mlp(x)) < 2e-2
     assert rel(ex.shared[4](x), model.layers[4].mlp.shared_experts(x)) < 2e-2
     assert rel(ex.compute_logits(x), model.compute_logits(x)) < 2e-2
-    table = ex.routes(m)
-    for idx in (0, 3):
-        for mod in (mm for mm in model.layers[idx].self_attn.modules() if id(mm) in table):
-            width = mod.dim if isinstance(mod, RMSNorm) else mod.in_features  # (a DSA layer's latent norms too)
-            xin = x if width == x.shape[1] else torch.randn(m, width, device="cuda").bfloat16()
-            want = mod(xin)
-            with routed(table):
-                got = mod(xin)
-            ex.projections.reset()
-            assert rel(got, want) < 2e-2
+    for idx in (0, 3):  # a KDA layer and a DSA layer: the projection stage against the stock pieces
+        attn = model.layers[idx].self_attn
+        if model.layers[idx].layer_kind == "kda":
+            got, want = ex.projections.kda(attn, x, m), attn.project(x)
+            y = torch.randn(m, attn.o_proj.in_features, device="cuda").bfloat16()
+            got_out, want_out = ex.projections.kda_output(attn, y, m), attn.o_proj(y)
+        else:
+            got, want = ex.projections.dsa(attn, x, m), attn.project(x)
+            values = torch.randn(attn.num_heads, m, attn.v_dim, device="cuda").transpose(0, 1)
+            got_out, want_out = ex.projections.dsa_output(attn, values, x.dtype, m), attn.output(values, x.dtype)
+        ex.copies.clear()
+        for a, b in zip(got, want):
+            assert rel(a, b) < 2e-2
+        assert rel(got_out, want_out) < 2e-2
 
 
 def prefilled(model, n, executor=None, capture_sizes=None):
