@@ -133,8 +133,12 @@ def test_the_shipped_h200_policy_covers_every_captured_size():
     from glm5next.runtime.runner import DEFAULT_CAPTURE_SIZES
 
     policy = Policy.for_gpu("NVIDIA H200")
-    assert policy is not None and Policy.for_gpu("NVIDIA A100-SXM4-80GB") is None
+    assert policy is not None and Policy.for_gpu("NVIDIA A100-SXM4-80GB", (8, 0)) is None
     assert policy.source == "glm5next/specialized_decode/policies/nvidia-h200.json"
+    # Any other Hopper GPU runs the default table; the H200's own entries win over it stage by stage.
+    default = Policy.for_gpu("NVIDIA H100 80GB HBM3", (9, 0))
+    assert default.source == "glm5next/specialized_decode/policies/sm90.json" and default.tables == policy.tables
+    assert Policy.for_gpu("NVIDIA H200", (9, 0)).tables == policy.tables
     for stage in STAGES:
         # Every captured size was measured (a measured "stock" is an entry too)...
         assert set(DEFAULT_CAPTURE_SIZES) <= set(policy.tables[stage]), stage
@@ -163,3 +167,18 @@ def test_fp16_copies_are_found_by_the_tensor_they_copy():
         assert copies.get(y) is not None
     copies.clear()
     assert copies.get(y) is None
+
+
+def test_a_gpu_table_takes_the_default_for_the_stages_it_lacks(tmp_path, monkeypatch):
+    """`Policy.for_gpu`: the GPU's own table over its architecture's default, stage by stage; another
+    architecture without a file gets none."""
+    import glm5next.specialized_decode.policy as policy_module
+
+    (tmp_path / "sm90.json").write_text(json.dumps({"tables": {"moe": {"1": "grouped"}, "boundary": {"1": "fused"}}}))
+    (tmp_path / "nvidia-h200.json").write_text(json.dumps({"tables": {"boundary": {"1": "stock"}}}))
+    monkeypatch.setattr(policy_module, "POLICY_DIR", str(tmp_path))
+    p = Policy.for_gpu("NVIDIA H200", (9, 0))
+    assert p("moe", 1) == "grouped" and p("boundary", 1) is None
+    assert "nvidia-h200.json over" in p.source and "sm90.json" in p.source
+    assert Policy.for_gpu("NVIDIA H100 80GB HBM3", (9, 0))("boundary", 1) == "fused"
+    assert Policy.for_gpu("NVIDIA B200", (10, 0)) is None
