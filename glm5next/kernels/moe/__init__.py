@@ -1,5 +1,5 @@
-"""The MoE layer of a step of up to 64 tokens in six launches: router logits (split-K), top-k (a program
-per token), grouping by expert (one program), grouped gate|up with the clamped SwiGLU, grouped down with the
+"""The MoE layer of a step of up to 64 tokens in five launches: router logits (split-K), routing (top-k
+and grouping by expert, one program), grouped gate|up with the clamped SwiGLU, grouped down with the
 routing weight, and the per-token combine. Each expert's weights are read once per step for all the
 rows routed to it; the shared expert is one more expert that every valid token routes to with weight 1.
 
@@ -17,7 +17,7 @@ import triton
 
 from .experts import combine_kernel, down_kernel, gate_up_kernel
 from .reference import moe_reference, route_reference
-from .routing import group_kernel, router_logits_kernel, topk_kernel
+from .routing import route_kernel, router_logits_kernel
 
 __all__ = ["ExpertWeights", "MoePlan", "Routing", "experts_forward", "group_rows", "moe_forward", "moe_prefill",
            "moe_reference", "plan_moe", "prefill_plan", "route", "route_reference"]
@@ -159,7 +159,7 @@ class Routing:
 
 def route(x: torch.Tensor, w: ExpertWeights, top_k: int, scale: float, norm: bool, eps: float, plan: MoePlan,
           slots: torch.Tensor | None = None) -> Routing:
-    """Router logits and routing of `x` [T, D], T <= 64, in three launches (rows with `slots` < 0 are padding)."""
+    """Router logits and routing of `x` [T, D], T <= 64, in two launches (rows with `slots` < 0 are padding)."""
     t, d = x.shape
     e = w.router.shape[0]
     if x.stride(1) != 1:
@@ -176,14 +176,12 @@ def route(x: torch.Tensor, w: ExpertWeights, top_k: int, scale: float, norm: boo
     r = Routing(torch.empty(t, top_k, **i32), torch.empty(t, top_k, dtype=torch.float32, device=dev),
                 torch.empty(max_slots, **i32), torch.empty(max_slots, **i32), torch.empty(max_slots, **i32),
                 torch.empty(t * top_k + t, **i32), torch.empty(1, **i32))
-    topk_kernel[(t,)](
-        part, w.bias, slots if slots is not None else r.ids, r.ids, r.weights, t, e, split, float(scale), float(eps),
+    route_kernel[(1,)](
+        part, w.bias, slots if slots is not None else r.ids, r.ids, r.weights, r.slot_expert, r.slot_start,
+        r.slot_count, r.rows, r.n_slots, t, e, split, float(scale), float(eps),
         TOP_K=top_k, TOP_K_PAD=triton.next_power_of_2(top_k), NORM=norm, HAS_SLOTS=slots is not None,
-        BLOCK_E=triton.next_power_of_2(e))
-    group_kernel[(1,)](
-        r.ids, slots if slots is not None else r.ids, r.slot_expert, r.slot_start, r.slot_count, r.rows, r.n_slots,
-        t, TOP_K=top_k, HAS_SLOTS=slots is not None, BLOCK_T=plan.block_t,
-        SPAN=max(16, triton.next_power_of_2(t * top_k)), BLOCK_M=plan.block_m)
+        BLOCK_T=plan.block_t, BLOCK_E=triton.next_power_of_2(e + 1), BLOCK_M=plan.block_m,
+        num_warps=min(16, max(4, plan.block_t // 4)))  # [T, experts] tiles: more threads for more rows
     return r
 
 
@@ -242,7 +240,7 @@ def experts_forward(x: torch.Tensor, w: ExpertWeights, r: Routing, limit: float,
 
 def moe_forward(x: torch.Tensor, w: ExpertWeights, top_k: int, scale: float, norm: bool, eps: float, limit: float,
                 plan: MoePlan, slots: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The MoE output [T, D] in x's dtype of `x` [T, D], T <= 64, in six launches: per token, its routed
+    """The MoE output [T, D] in x's dtype of `x` [T, D], T <= 64, in five launches: per token, its routed
     experts weighted plus the shared expert, summed in fp32 in a fixed order; 0 for padded tokens
     (`slots` < 0)."""
     return experts_forward(x, w, route(x, w, top_k, scale, norm, eps, plan, slots), limit, plan, slots, out)
