@@ -145,9 +145,9 @@ def test_logprobs_are_the_models(tiny_fp32, tiny_dir):
     out = final["l"].outputs[0]
     assert len(out.logprobs) == len(out.top_logprobs) == 4
     from glm5next.runtime.runner import Runner, Sequence
-    from glm5next.runtime.cache import ModelCache
+    from glm5next.runtime.cache import allocate_cache
 
-    cache = ModelCache(tiny_fp32.config, 8, 16, 1, torch.float32, "cpu")
+    cache = allocate_cache(tiny_fp32.config, 8, 16, 1, torch.float32, "cpu")
     seq = Sequence(list(prompt), 0, list(range(8)))
     runner = Runner(tiny_fp32, cache)
     for k, token in enumerate(out.token_ids):
@@ -172,7 +172,7 @@ def test_engine_refuses_bad_input_and_keeps_what_it_accepted(tiny_fp32, tiny_dir
 
 
 def test_cache_sizing(tiny_fp32, tiny_dir):
-    from glm5next.runtime.cache import ModelCache, blocks_for_budget
+    from glm5next.runtime.cache import allocate_cache, blocks_for_budget, bytes_per_block, bytes_per_slot
 
     engine = make_engine(tiny_fp32, tiny_dir, num_blocks=40)
     assert engine.cache.num_blocks == 40 and engine.scheduler.block_manager.num_blocks == 40
@@ -181,9 +181,9 @@ def test_cache_sizing(tiny_fp32, tiny_dir):
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         make_engine(tiny_fp32, tiny_dir, gpu_memory_utilization=1.5)
     cfg = tiny_fp32.config
-    per_block = ModelCache.bytes_per_block(cfg, 16, torch.float32, include_mtp=False)
-    per_slot = ModelCache.bytes_per_slot(cfg, torch.float32)
+    per_block = bytes_per_block(cfg, 16, torch.float32, include_mtp=False)
+    per_slot = bytes_per_slot(cfg, torch.float32)
     n = blocks_for_budget(cfg, 100 * per_block + 5 * per_slot, 16, 4, torch.float32, include_mtp=False)
     assert n == 99  # 4 slots + the scratch slot, then the scratch block
-    cache = ModelCache(cfg, n, 16, 4, torch.float32, "cpu", include_mtp=False)
+    cache = allocate_cache(cfg, n, 16, 4, torch.float32, "cpu", include_mtp=False)
     assert sum(t.numel() * t.element_size() for t in cache.tensors()) <= 100 * per_block + 5 * per_slot

@@ -9,7 +9,7 @@ import torch
 from glm5next.model.mhc import hc_post
 from glm5next.model.norm import RMSNorm
 from glm5next.model.routing import routed
-from glm5next.runtime.cache import ModelCache
+from glm5next.runtime.cache import allocate_cache
 from glm5next.runtime.runner import Runner, Sequence
 from glm5next.specialized_decode import STAGES, Policy, SpecializedDecode
 
@@ -164,7 +164,7 @@ def _stock_norm(norm, x):
 
 
 def prefilled(model, lens, executor=None):
-    cache = ModelCache(model.config, 80, 16, 8, torch.float32, "cpu", include_mtp=False)
+    cache = allocate_cache(model.config, 80, 16, 8, torch.float32, "cpu", include_mtp=False)
     runner = Runner(model, cache, max_model_len=320, capture_sizes=SIZES, executor=executor)
     runner.graph_mode = executor is not None
     g = torch.Generator().manual_seed(7)
@@ -409,7 +409,7 @@ def test_fp16_copies_leave_planned_bf16_steps_bit_for_bit(tiny_dir, monkeypatch)
     def decode(copies: bool):
         monkeypatch.setattr(Fp16Copies, "get", counted if copies else lambda self, x: None)
         ex = SpecializedDecode(model, policy(), SIZES)
-        cache = ModelCache(model.config, 80, 16, 8, torch.bfloat16, "cpu", include_mtp=False)
+        cache = allocate_cache(model.config, 80, 16, 8, torch.bfloat16, "cpu", include_mtp=False)
         runner = Runner(model, cache, max_model_len=320, capture_sizes=SIZES, executor=ex)
         runner.graph_mode = True
         g = torch.Generator().manual_seed(7)

@@ -15,7 +15,7 @@ import torch
 
 from ..config import DSA, KDA
 from ..model.routing import routed
-from ..runtime.metadata import CUDAGraphMode, ForwardContext
+from ..forward import CUDAGraphMode, ForwardContext
 from ..runtime.runner import Runner
 from ..specialized_decode import Policy, SpecializedDecode
 from .stages import stage_cases, time_choice

@@ -9,8 +9,7 @@ from ..config import Glm5NextConfig
 from ..parallel.collectives import all_gather
 from ..parallel.group import SINGLE, TensorParallel, check_divisible
 from ..parallel.layers import ColumnParallelLinear, vocab_parallel_embedding
-from ..runtime.cache import ModelCache
-from ..runtime.metadata import ForwardContext
+from ..forward import ForwardContext, ModelCache
 from .layer import DecoderLayer
 from .mhc import hc_contract, hc_expand
 from .mtp import MtpLayer

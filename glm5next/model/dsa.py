@@ -18,8 +18,7 @@ import torch
 from torch import nn
 
 from ..config import Glm5NextConfig
-from ..runtime.cache import DsaCache
-from ..runtime.metadata import AttnMetadata
+from ..forward import AttnMetadata, DsaCache
 from .indexer import Indexer
 from ..parallel.group import SINGLE, TensorParallel
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import INDEXER_KEY_NORM_EPS, Glm5NextConfig
-from ..runtime.cache import DsaCache
+from ..forward import DsaCache
 from ..parallel.collectives import all_reduce
 from ..parallel.group import SINGLE, TensorParallel
 from ..parallel.layers import ColumnParallelLinear

@@ -21,8 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import KDA_L2_EPS, Glm5NextConfig
-from ..runtime.cache import KdaState
-from ..runtime.metadata import AttnMetadata
+from ..forward import AttnMetadata, KdaState
 from .kda_recurrence import kda_chunked, kda_step
 from ..parallel.group import SINGLE, TensorParallel
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear

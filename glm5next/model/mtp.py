@@ -7,8 +7,7 @@ from torch import nn
 
 from ..config import DSA, Glm5NextConfig
 from ..parallel.group import SINGLE, TensorParallel
-from ..runtime.cache import ModelCache
-from ..runtime.metadata import CUDAGraphMode, ForwardContext
+from ..forward import CUDAGraphMode, ForwardContext, ModelCache
 from .dsa import SparseMLA
 from .linear import Linear
 from .moe import MoE

@@ -27,7 +27,7 @@ import torch
 
 from ..model.kda import KimiDeltaAttention
 from .batch_sampler import BatchSampler, SamplingTensors
-from .metadata import AttnMetadata, CUDAGraphMode, ForwardContext
+from ..forward import AttnMetadata, CUDAGraphMode, ForwardContext
 from .sampler import SamplingParams
 
 DRAFT_COUNTER_BASE = 1 << 40

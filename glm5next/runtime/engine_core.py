@@ -23,7 +23,7 @@ from ..parallel.collectives import min_int
 from ..parallel.group import init_tensor_parallel, local_rank
 from ..tokenizer import Tokenizer
 from .batch_sampler import BatchSampler
-from .cache import ModelCache
+from .cache import allocate_cache
 from .cache_plan import plan_cache
 from .detokenizer import IncrementalDetokenizer
 from .driver import DrivenRunner, follow
@@ -153,7 +153,7 @@ class LLMEngine:
         k = self.spec.num_speculative_tokens if self.spec else 0
         if self.spec and self.model.mtp is None:
             raise ValueError("speculative_config method 'mtp' needs a checkpoint with an MTP layer; this one has none")
-        self.cache = ModelCache(self.config, self.plan.num_blocks, block_size, max_num_seqs, self.dtype, self.device,
+        self.cache = allocate_cache(self.config, self.plan.num_blocks, block_size, max_num_seqs, self.dtype, self.device,
                                 include_mtp=bool(self.spec), verify_tokens=k + 1 if k else 0, tp_size=self.tp.size)
         from ..specialized_decode import build_executor
 

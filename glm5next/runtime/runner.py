@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..model.backbone import Glm5NextModel
-from .cache import ModelCache
-from .metadata import AttnMetadata, CUDAGraphMode, ForwardContext, build_metadata
+from ..forward import AttnMetadata, CUDAGraphMode, ForwardContext, ModelCache
+from .metadata import build_metadata
 
 DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 """Decode sizes captured by default; a step of n decodes replays the smallest size >= n."""

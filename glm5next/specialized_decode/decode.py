@@ -28,7 +28,7 @@ from ..model.backbone import Glm5NextModel
 from ..model.mhc import hc_contract, hc_expand, hc_post
 from ..model.routing import routed
 from ..parallel.collectives import all_gather, all_reduce, partial_outputs
-from ..runtime.metadata import AttnMetadata, CUDAGraphMode, ForwardContext
+from ..forward import AttnMetadata, CUDAGraphMode, ForwardContext
 from .boundary import BoundaryStage
 from .copies import Fp16Copies
 from .dense_mlp import DenseMlpStage
