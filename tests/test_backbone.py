@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from glm5next.model.params import dequantize_fp8
+from glm5next.checkpoint.fp8 import dequantize_fp8
 from glm5next.forward import CUDAGraphMode, ForwardContext
 from glm5next.runtime.cache import allocate_cache
 from glm5next.runtime.metadata import build_metadata

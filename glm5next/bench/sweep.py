@@ -22,11 +22,12 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..checkpoint.fp8 import quantize_fp8_blocks
 from ..config import MHC_POST_MULT
 from ..kernels import boundary as boundary_kernels
+from ..kernels import linear as linear_plans
 from ..kernels.boundary import mhc_boundary, mhc_last
 from ..kernels.linear import gate_up_swiglu, skinny_linear, skinny_linear_multi
-from ..kernels import linear as linear_plans
 from ..kernels.linear import kernel as linear_kernel
 from .floor import capture, measure_read_bandwidth, time_replays
+from .specialized import format_targets
 from .stages import ROTATE_BYTES
 
 VARIANTS = {
@@ -468,8 +469,6 @@ def main(argv=None) -> None:
                              a.resident)
     targets = launch_targets(rows)
     if targets:
-        from .specialized import format_targets
-
         print("\n".join(format_targets(targets, key="at")), flush=True)
     if a.out:
         with open(a.out, "w") as f:

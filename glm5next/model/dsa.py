@@ -17,14 +17,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..checkpoint.specs import TensorSpec
 from ..config import Glm5NextConfig
 from ..forward import AttnMetadata, DsaCache
-from .indexer import Indexer
 from ..parallel.group import SINGLE, TensorParallel
-from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
-from .linear import Linear
+from ..parallel.layers import ColumnParallelLinear, Linear, RowParallelLinear
+from .indexer import Indexer
 from .norm import RMSNorm
-from .params import TensorSpec
 from .routing import cast_input
 
 PREFILL_CHUNK_ELEMS = 1 << 26

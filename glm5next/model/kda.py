@@ -20,13 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..checkpoint.specs import TensorSpec, set_param
 from ..config import KDA_L2_EPS, Glm5NextConfig
 from ..forward import AttnMetadata, KdaState
-from .kda_recurrence import kda_chunked, kda_step
 from ..parallel.group import SINGLE, TensorParallel
-from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
-from .linear import Linear
-from .params import TensorSpec, set_param
+from ..parallel.layers import ColumnParallelLinear, Linear, RowParallelLinear
+from .kda_recurrence import kda_chunked, kda_step
 
 _LINEARS = ("q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj", "f_b_proj", "g_a_proj", "g_b_proj", "o_proj")
 _CONVS = ("q_conv1d", "k_conv1d", "v_conv1d")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 
+from tqdm import tqdm
+
 from .engine_core import CompletionOutput, LLMEngine, RequestOutput
 from .runner import DEFAULT_CAPTURE_SIZES
 from .sampler import SamplingParams
@@ -109,6 +111,4 @@ class _NoBar:
 def _progress(total: int, enabled: bool):
     if not enabled:
         return _NoBar()
-    from tqdm import tqdm
-
     return tqdm(total=total, desc="generate", unit="req")

@@ -21,15 +21,19 @@ import torch
 from ..model.backbone import Glm5NextModel
 from ..parallel.collectives import min_int
 from ..parallel.group import init_tensor_parallel, local_rank
+from ..specialized_decode import build_executor
 from ..tokenizer import Tokenizer
 from .batch_sampler import BatchSampler
 from .cache import allocate_cache
 from .cache_plan import plan_cache
 from .detokenizer import IncrementalDetokenizer
+from .draft_graph import DraftGraphs
 from .driver import DrivenRunner, follow
 from .runner import DEFAULT_CAPTURE_SIZES, Runner, check_capture_sizes
 from .sampler import SamplingParams
 from .scheduler import BlockManager, Request, Scheduler
+from .spec_step import follow_spec, spec_step
+from .speculative import MtpDrafter, SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -105,8 +109,6 @@ class LLMEngine:
         speculative_config=None,
         tensor_parallel_size: int = 1,
     ) -> None:
-        from .speculative import SpeculativeConfig
-
         self.spec = SpeculativeConfig.parse(speculative_config)
         if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) \
                 or tensor_parallel_size < 1:
@@ -154,8 +156,7 @@ class LLMEngine:
         if self.spec and self.model.mtp is None:
             raise ValueError("speculative_config method 'mtp' needs a checkpoint with an MTP layer; this one has none")
         self.cache = allocate_cache(self.config, self.plan.num_blocks, block_size, max_num_seqs, self.dtype, self.device,
-                                include_mtp=bool(self.spec), verify_tokens=k + 1 if k else 0, tp_size=self.tp.size)
-        from ..specialized_decode import build_executor
+                                    include_mtp=bool(self.spec), verify_tokens=k + 1 if k else 0, tp_size=self.tp.size)
 
         self.executor = build_executor(self.model, decode_backend, policy, self.capture_sizes, enforce_eager, k + 1)
         self.runner = Runner(self.model, self.cache, self.max_model_len, self.capture_sizes, self.executor, k + 1)
@@ -173,12 +174,8 @@ class LLMEngine:
         self.draft_graphs = None
         """Speculative decoding: the post-verify graphs (KDA commit, MTP catch-up, drafts)."""
         if self.spec:
-            from .speculative import MtpDrafter
-
             stages = self.executor.draft_stages if self.executor is not None else None
             self.drafter = MtpDrafter(self.model, self.cache, k, stages)
-            from .draft_graph import DraftGraphs
-
             self.draft_graphs = DraftGraphs(self.runner, self.drafter, k)
             if self.device.type == "cuda" and not enforce_eager:
                 self.draft_graphs.capture()
@@ -263,8 +260,6 @@ class LLMEngine:
         rank 0 passed to `release_followers`."""
         on_spec = None
         if self.spec:
-            from .spec_step import follow_spec
-
             on_spec = lambda plan: follow_spec(self, plan)  # noqa: E731
         return follow(self.runner, self.tp, on_spec)
 
@@ -291,8 +286,6 @@ class LLMEngine:
         if not self._live:
             return []
         if self.spec:
-            from .spec_step import spec_step
-
             return spec_step(self)
         out = self.scheduler.schedule()
         self.stats["preemptions"] += len(out.preempted)

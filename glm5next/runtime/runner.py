@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..model.backbone import Glm5NextModel
 from ..forward import AttnMetadata, CUDAGraphMode, ForwardContext, ModelCache
+from ..model.backbone import Glm5NextModel
+from ..model.kda import KimiDeltaAttention
 from .metadata import build_metadata
 
 DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
@@ -192,8 +193,6 @@ class Runner:
 
     def commit_verify(self, slots: list[int], accepted: list[int]) -> None:
         """Advance every KDA layer's state of `slots` over its first `accepted` verified tokens."""
-        from ..model.kda import KimiDeltaAttention
-
         for state in self.cache.kda.values():
             KimiDeltaAttention.commit(state, slots, accepted)
 

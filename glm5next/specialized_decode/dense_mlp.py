@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from ..checkpoint.fp8 import FP8_DTYPE
+from ..kernels.linear import gate_up_swiglu, reads_x16, skinny_linear
 from ..model.mlp import MLP
-from ..model.params import FP8_DTYPE
 from .copies import Fp16Copies
 
 
@@ -34,14 +35,10 @@ class DenseMlpStage:
 
     def reads_x16(self, tokens: int, dtype: torch.dtype) -> bool:
         """Whether the gate|up reads an fp16 copy of its input at this token count."""
-        from ..kernels.linear import reads_x16
-
         return reads_x16(tokens, [self.mlp.gate_proj.weight], dtype, gated=True)
 
     def __call__(self, x: torch.Tensor, overlap: bool = False) -> torch.Tensor:
         """The MLP of `x` (`overlap`: the "fused-overlap" launches)."""
-        from ..kernels.linear import gate_up_swiglu, reads_x16, skinny_linear
-
         m = self.mlp
         x16 = None if self.copies is None else self.copies.get(x)
         h16 = None

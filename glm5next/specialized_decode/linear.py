@@ -23,11 +23,12 @@ import math
 
 import torch
 
+from ..checkpoint.fp8 import FP8_DTYPE
 from ..config import DSA, KDA
-from ..model.linear import Linear
-from ..model.norm import RMSNorm
-from ..model.norm import rms_norm as rms_norm_stock
-from ..model.params import FP8_DTYPE
+from ..kernels.linear import reads_x16, skinny_linear, skinny_linear_multi
+from ..kernels.producers import cast, rms_norm, rms_norm_pair
+from ..model.norm import RMSNorm, rms_norm as rms_norm_stock
+from ..parallel.layers import Linear
 from .copies import Fp16Copies
 
 KDA_GROUP = ("q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj", "g_a_proj")
@@ -72,8 +73,6 @@ class SingleRoute:
         self.copies = copies
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        from ..kernels.linear import skinny_linear
-
         x16 = None if self.copies is None else self.copies.get(x)
         return skinny_linear(x, self.linear.weight, self.linear.weight_scale_inv, x16=x16)
 
@@ -103,8 +102,6 @@ class NormRoute:
         return out
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        from ..kernels.producers import rms_norm
-
         if not _rows(x):
             return rms_norm_stock(x, self.norm.weight, self.norm.eps)
         out16 = self.copy_for(x)
@@ -128,8 +125,6 @@ class NormPair:
         self._kv_out: torch.Tensor | None = None
 
     def first(self, x: torch.Tensor) -> torch.Tensor:
-        from ..kernels.producers import rms_norm_pair
-
         outs = self.group.outputs_of(x, self.Q)
         kv = None if outs is None else outs[self.KV]
         if kv is None or not (_rows(x) and _rows(kv)) or kv.dtype != x.dtype:
@@ -156,8 +151,6 @@ class CastRoute:
         self.copies = copies
 
     def __call__(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        from ..kernels.producers import cast
-
         if x.dim() not in (2, 3) or dtype != torch.bfloat16:
             return x.to(dtype)
         out16 = torch.empty(x.shape[0], math.prod(x.shape[1:]), dtype=torch.float16, device=x.device)
@@ -182,8 +175,6 @@ class GroupRoute:
 
     def _get(self, i: int, x: torch.Tensor, early: bool = False, hold: int = 0) -> torch.Tensor:
         if self._x is not x:
-            from ..kernels.linear import skinny_linear_multi
-
             x16 = None if self.copies is None else self.copies.get(x)
             self._outs = skinny_linear_multi(x, self.projections, pdl=True if early else None, x16=x16,
                                              hold=hold or None)
@@ -257,8 +248,6 @@ class ProjectionRoutes:
         """The routes of a DSA layer's latent norms (one kernel for both where its group runs as one launch,
         else one each; the q_a norm's writes an fp16 copy where the routed q_b or wq_b reads one) and of the
         cast before its o_proj (where the routed o_proj reads a copy)."""
-        from ..kernels.linear import reads_x16
-
         def reads(m: Linear) -> bool:
             return id(m) in table and reads_x16(tokens, [m.weight], self.dtype)
 
@@ -283,8 +272,6 @@ class ProjectionRoutes:
     def reads_x16(self, layer, tokens: int) -> bool:
         """Whether a launch of `layer`'s projection group (or with "single", of one of its members) at this
         token count reads an fp16 copy of its input."""
-        from ..kernels.linear import reads_x16
-
         stage, group = self.grouped_layers.get(layer.layer_idx, (None, None))
         choice = None if stage is None else self.policy(stage, tokens)
         weights = [] if group is None else [w for w, _ in group.projections]
