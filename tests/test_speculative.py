@@ -7,7 +7,7 @@ distribution is the target's."""
 import pytest
 import torch
 
-from glm5next.model.kda import KimiDeltaAttention
+from glm5next.runtime.kda_commit import commit, commit_rows
 from glm5next.runtime.cache import allocate_cache, bytes_per_slot
 from glm5next.runtime.engine_core import LLMEngine
 from glm5next.runtime.metadata import build_metadata
@@ -152,27 +152,27 @@ def test_kda_verify_reads_only_and_commit_advances_over_accepted_tokens(tiny_fp3
     assert torch.equal(ver.conv, before[0]) and torch.equal(ver.recurrent, before[1])  # a verify only reads
     torch.testing.assert_close(out, torch.cat([s[0] for s in steps]), rtol=1e-5, atol=1e-6)
     for n in (1, 2, 3):
-        KimiDeltaAttention.commit(ver, [1], [n])
+        commit(ver, [1], [n])
         torch.testing.assert_close(ver.conv[1], steps[n - 1][1], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(ver.recurrent[1], steps[n - 1][2], rtol=1e-5, atol=1e-6)
         committed = ver.recurrent[1].clone()
         ver.conv.copy_(before[0])
         ver.recurrent.copy_(before[1])
-        KimiDeltaAttention.commit(ver, [1], [n])
+        commit(ver, [1], [n])
         assert torch.equal(ver.recurrent[1], committed)  # commit is a function of what the verify left
         if n < 3:  # counter-example: advancing over every verified token is not the rollback
-            KimiDeltaAttention.commit(ver, [1], [3])
+            commit(ver, [1], [3])
             assert not torch.equal(ver.recurrent[1], committed)
         ver.conv.copy_(before[0])
         ver.recurrent.copy_(before[1])
     assert torch.equal(ver.recurrent[0], before[1][0])  # another slot is never touched
     for n in (0, 1, 3):  # the graph's commit over device tensors: the same states (0: a padding row)
         if n:
-            KimiDeltaAttention.commit(ver, [1], [n])
+            commit(ver, [1], [n])
         want = (ver.conv[1].clone(), ver.recurrent[1].clone())
         ver.conv.copy_(before[0])
         ver.recurrent.copy_(before[1])
-        KimiDeltaAttention.commit_rows(ver, torch.tensor([1]), torch.tensor([n]))
+        commit_rows(ver, torch.tensor([1]), torch.tensor([n]))
         assert torch.equal(ver.conv[1], want[0])
         torch.testing.assert_close(ver.recurrent[1], want[1], rtol=1e-6, atol=1e-7)
         ver.conv.copy_(before[0])

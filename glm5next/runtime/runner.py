@@ -15,7 +15,7 @@ import torch
 
 from ..forward import AttnMetadata, CUDAGraphMode, ForwardContext, ModelCache
 from ..model.backbone import Glm5NextModel
-from ..model.kda import KimiDeltaAttention
+from .kda_commit import commit
 from .metadata import build_metadata
 
 DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
@@ -194,7 +194,7 @@ class Runner:
     def commit_verify(self, slots: list[int], accepted: list[int]) -> None:
         """Advance every KDA layer's state of `slots` over its first `accepted` verified tokens."""
         for state in self.cache.kda.values():
-            KimiDeltaAttention.commit(state, slots, accepted)
+            commit(state, slots, accepted)
 
     # ----------------------------------------------------------------- graphs
     def graph_size(self, num_items: int, num_decodes: int) -> int | None:
