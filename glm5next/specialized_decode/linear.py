@@ -25,8 +25,8 @@ import torch
 
 from ..checkpoint.fp8 import FP8_DTYPE
 from ..config import DSA, KDA
-from ..kernels.linear import reads_x16, skinny_linear, skinny_linear_multi
-from ..kernels.producers import cast, rms_norm, rms_norm_pair
+from ..kernels import linear as linear_kernels
+from ..kernels import producers
 from ..model.norm import RMSNorm, rms_norm as rms_norm_stock
 from ..parallel.layers import Linear
 from .copies import Fp16Copies
@@ -74,7 +74,7 @@ class SingleRoute:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x16 = None if self.copies is None else self.copies.get(x)
-        return skinny_linear(x, self.linear.weight, self.linear.weight_scale_inv, x16=x16)
+        return linear_kernels.skinny_linear(x, self.linear.weight, self.linear.weight_scale_inv, x16=x16)
 
 
 def _rows(t: torch.Tensor) -> bool:
@@ -105,7 +105,7 @@ class NormRoute:
         if not _rows(x):
             return rms_norm_stock(x, self.norm.weight, self.norm.eps)
         out16 = self.copy_for(x)
-        return self.filed(rms_norm(x, self.norm.weight, self.norm.eps, out16), out16)
+        return self.filed(producers.rms_norm(x, self.norm.weight, self.norm.eps, out16), out16)
 
 
 class NormPair:
@@ -131,7 +131,7 @@ class NormPair:
             return self.q_alone(x)
         q, k = self.q_alone.norm, self.kv_alone.norm
         out16 = self.q_alone.copy_for(x)
-        out, self._kv_out = rms_norm_pair(x, q.weight, q.eps, kv, k.weight, k.eps, out16)
+        out, self._kv_out = producers.rms_norm_pair(x, q.weight, q.eps, kv, k.weight, k.eps, out16)
         self._kv_in = kv
         return self.q_alone.filed(out, out16)
 
@@ -154,7 +154,7 @@ class CastRoute:
         if x.dim() not in (2, 3) or dtype != torch.bfloat16:
             return x.to(dtype)
         out16 = torch.empty(x.shape[0], math.prod(x.shape[1:]), dtype=torch.float16, device=x.device)
-        out = cast(x, dtype, out16)
+        out = producers.cast(x, dtype, out16)
         self.copies.put(out, out16)
         return out.view(x.shape)
 
@@ -176,8 +176,8 @@ class GroupRoute:
     def _get(self, i: int, x: torch.Tensor, early: bool = False, hold: int = 0) -> torch.Tensor:
         if self._x is not x:
             x16 = None if self.copies is None else self.copies.get(x)
-            self._outs = skinny_linear_multi(x, self.projections, pdl=True if early else None, x16=x16,
-                                             hold=hold or None)
+            self._outs = linear_kernels.skinny_linear_multi(x, self.projections, pdl=True if early else None, x16=x16,
+                                                            hold=hold or None)
             self._x = x
         return self._outs[i]
 
@@ -249,7 +249,7 @@ class ProjectionRoutes:
         else one each; the q_a norm's writes an fp16 copy where the routed q_b or wq_b reads one) and of the
         cast before its o_proj (where the routed o_proj reads a copy)."""
         def reads(m: Linear) -> bool:
-            return id(m) in table and reads_x16(tokens, [m.weight], self.dtype)
+            return id(m) in table and linear_kernels.reads_x16(tokens, [m.weight], self.dtype)
 
         copy = reads(attn.q_b_proj) or reads(attn.indexer.wq_b)
         group = self.dsa_groups.get(id(attn)) if grouped and NORM_PAIR else None
@@ -276,8 +276,8 @@ class ProjectionRoutes:
         choice = None if stage is None else self.policy(stage, tokens)
         weights = [] if group is None else [w for w, _ in group.projections]
         if choice in GROUPED:
-            return reads_x16(tokens, weights, self.dtype)
-        return choice == "single" and any(reads_x16(tokens, [w], self.dtype) for w in weights)
+            return linear_kernels.reads_x16(tokens, weights, self.dtype)
+        return choice == "single" and any(linear_kernels.reads_x16(tokens, [w], self.dtype) for w in weights)
 
     def reset(self) -> None:
         """Drop the group outputs of the finished step."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.linear import skinny_linear
+from ..kernels import linear as linear_kernels
 from ..parallel.layers import Linear
 
 CHOICES = {"gemv": dict(split_k=1), "splitk": dict(split_k=None)}
@@ -18,4 +18,4 @@ class LogitsStage:
         self.weight = lm_head.weight
 
     def __call__(self, hidden: torch.Tensor, choice: str) -> torch.Tensor:
-        return skinny_linear(hidden, self.weight, None, **CHOICES[choice]).float()
+        return linear_kernels.skinny_linear(hidden, self.weight, None, **CHOICES[choice]).float()
