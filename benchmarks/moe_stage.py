@@ -30,7 +30,7 @@ from glm5next.bench.slice import build_slice_model, slice_config
 from glm5next.config import ROUTER_NORM_EPS
 from glm5next.kernels.moe import ExpertWeights, moe_forward, moe_reference, plan_moe, route
 from glm5next.model.mlp import clamped_swiglu
-from glm5next.model.params import dequantize_fp8
+from glm5next.checkpoint.fp8 import dequantize_fp8
 
 VARIANTS = {
     "block_m": [16, 32, 64],

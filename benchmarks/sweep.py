@@ -22,10 +22,12 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from glm5next.checkpoint.fp8 import quantize_fp8_blocks
 from glm5next.config import MHC_POST_MULT
 from glm5next.kernels import boundary as boundary_kernels
+from glm5next.kernels import linear as linear_plans
 from glm5next.kernels.boundary import mhc_boundary, mhc_last
 from glm5next.kernels.linear import gate_up_swiglu, skinny_linear, skinny_linear_multi
 from glm5next.kernels.linear import kernel as linear_kernel
 from glm5next.bench.floor import capture, measure_read_bandwidth, time_replays
+from glm5next.bench.specialized import format_targets
 from glm5next.bench.stages import ROTATE_BYTES
 
 VARIANTS = {
@@ -395,8 +397,6 @@ def main(argv=None) -> None:
                              a.resident)
     targets = launch_targets(rows)
     if targets:
-        from glm5next.bench.specialized import format_targets
-
         print("\n".join(format_targets(targets, key="at")), flush=True)
     if a.out:
         with open(a.out, "w") as f:

@@ -7,6 +7,18 @@ import os
 import sys
 import time
 
+from .bench.cli import add_bench_parser, add_tune_parser
+from .bench.slice import GLM53_FLASH_TEXT
+from .checkpoint.writer import make_tiny_checkpoint
+from .config import Glm5NextConfig
+from .parallel.group import check_divisible
+from .parallel.launch import relaunch
+from .runtime.engine import LLM, SamplingParams
+from .runtime.engine_args import EngineArgs
+from .server.cli import add_serve_parser
+from .specialized_decode.describe import describe, format_rows
+from .specialized_decode.policy import Policy
+
 
 def _default_tiny_dir() -> str:
     root = os.environ.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache"))
@@ -14,8 +26,6 @@ def _default_tiny_dir() -> str:
 
 
 def _ensure_tiny(path: str) -> str:
-    from .checkpoint.writer import make_tiny_checkpoint
-
     if not os.path.exists(os.path.join(path, "config.json")):
         print(f"writing the small random model to {path}", file=sys.stderr)
         make_tiny_checkpoint(path)
@@ -23,17 +33,13 @@ def _ensure_tiny(path: str) -> str:
 
 
 def cmd_make_tiny(args) -> int:
-    from .checkpoint.writer import make_tiny_checkpoint
-
     make_tiny_checkpoint(args.dir, seed=args.seed, with_mtp=not args.no_mtp)
     print(args.dir)
     return 0
 
 
 def _run(model: str, prompts: list[str], args) -> int:
-    from . import LLM, SamplingParams
-
-    llm = LLM(model, progress=False, **engine_kwargs(args))
+    llm = LLM(EngineArgs.from_cli(args, model=model, progress=False))
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         max_tokens=args.max_tokens, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
@@ -64,44 +70,6 @@ def cmd_demo(args) -> int:
     return _run(model, args.prompt or ["Hello, GLM!", "The quick brown fox"], args)
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """The engine options shared by generate, demo, serve and bench."""
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step (prefill chunking)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per paged cache block")
-    p.add_argument("--num-blocks", type=int, default=None, help="paged cache blocks (default: from the memory budget)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory to use")
-    p.add_argument("--enforce-eager", action="store_true", help="never replay CUDA graphs")
-    p.add_argument("--cuda-graph-sizes", default=None, help="decode sizes to capture, e.g. 1,2,4,8 (default: 1..64)")
-    p.add_argument("--decode-backend", default="auto", choices=["auto", "specialized", "stock"],
-                   help="captured decode steps: auto (default: the specialized executor on one GPU for which a "
-                        "measured policy ships, else stock), the specialized executor, or the stock forward")
-    p.add_argument("--policy", default=None, help="a policy JSON written by `glm5next tune-policy`")
-    p.add_argument("--speculative-config", default=None,
-                   help='MTP speculative decoding, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\'')
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="processes (one per GPU) the model is split over; started under torchrun when not "
-                        "already launched by it")
-
-
-def engine_kwargs(args) -> dict:
-    """`LLMEngine` keyword arguments from the options of `add_engine_args`."""
-    kw = dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-              num_blocks=args.num_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
-              enforce_eager=args.enforce_eager, decode_backend=args.decode_backend, policy=args.policy,
-              speculative_config=args.speculative_config, tensor_parallel_size=args.tensor_parallel_size)
-    if args.cuda_graph_sizes:
-        try:
-            kw["capture_sizes"] = [int(x) for x in args.cuda_graph_sizes.split(",") if x.strip()]
-        except ValueError:
-            raise ValueError(f"--cuda-graph-sizes={args.cuda_graph_sizes!r}: give integers separated by commas")
-    return kw
-
-
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--max-tokens", type=int, default=max_tokens)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -111,19 +79,13 @@ def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
 
 
 def cmd_describe_plan(args) -> int:
-    from .config import Glm5NextConfig
-    from .specialized_decode.describe import describe, format_rows
-    from .specialized_decode.policy import Policy
-
     if args.model:
         config = Glm5NextConfig.from_file(args.model)
     else:
-        from .bench.slice import GLM53_FLASH_TEXT
-
         config = Glm5NextConfig.from_dict(dict(GLM53_FLASH_TEXT))
     policy = Policy.from_file(args.policy) if args.policy else Policy.for_gpu("NVIDIA H200")
     try:
@@ -160,8 +122,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="a checkpoint folder or config.json (default: GLM-5.3-Flash shapes)")
     p.add_argument("--sms", type=int, default=132, help="SMs of the GPU the plans fill (default: 132, H100/H200)")
     p.set_defaults(func=cmd_describe_plan)
-    from .bench.cli import add_bench_parser, add_tune_parser
-    from .server.cli import add_serve_parser
 
     add_serve_parser(sub)
     add_bench_parser(sub)
@@ -174,12 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     tp = getattr(args, "tensor_parallel_size", 1)
     try:
         if tp > 1 and "WORLD_SIZE" not in os.environ:  # not started by torchrun: start the ranks under it
-            from .parallel.launch import relaunch
-
             if getattr(args, "model", None):  # refuse a size the model cannot split once, not once per rank
-                from .config import Glm5NextConfig
-                from .parallel.group import check_divisible
-
                 check_divisible(Glm5NextConfig.from_file(args.model), tp)
             return relaunch(tp, sys.argv[1:] if argv is None else list(argv))
         return args.func(args)

@@ -3,14 +3,15 @@
 import pytest
 import torch
 
-from glm5next.model.params import dequantize_fp8
-from glm5next.runtime.cache import ModelCache
-from glm5next.runtime.metadata import CUDAGraphMode, ForwardContext, build_metadata
+from glm5next.checkpoint.fp8 import dequantize_fp8
+from glm5next.forward import CUDAGraphMode, ForwardContext
+from glm5next.runtime.cache import allocate_cache
+from glm5next.runtime.metadata import build_metadata
 from glm5next.runtime.runner import Runner, Sequence
 
 
 def new_runner(model, blocks=96, slots=4, block_size=8):
-    cache = ModelCache(model.config, blocks, block_size, slots, torch.float32, "cpu")
+    cache = allocate_cache(model.config, blocks, block_size, slots, torch.float32, "cpu")
     return Runner(model, cache)
 
 

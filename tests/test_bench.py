@@ -17,7 +17,7 @@ from glm5next.bench.slice import build_slice_model, fill_context, make_cache, sl
 from glm5next.checkpoint.inventory import BF16, FP8, FP32, expected_tensors
 from glm5next.config import DSA, KDA
 from glm5next.model.backbone import Glm5NextModel
-from glm5next.model.params import FP8_DTYPE, scale_shape
+from glm5next.checkpoint.fp8 import FP8_DTYPE, scale_shape
 from glm5next.runtime.runner import Runner
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

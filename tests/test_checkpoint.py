@@ -13,11 +13,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from glm5next.checkpoint import CheckpointError, checkpoint_key, expected_tensors, load_checkpoint
-from glm5next.checkpoint.fp8 import quantize_fp8_blocks
+from glm5next.checkpoint.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8_blocks, scale_shape
 from glm5next.checkpoint.inventory import BF16, FP8, FP32, SCALE_SUFFIX
 from glm5next.checkpoint.writer import TINY_TEXT_CONFIG, make_tiny_checkpoint, write_shards
 from glm5next.config import Glm5NextConfig
-from glm5next.model.params import FP8_DTYPE, TensorSpec, dequantize_fp8, scale_shape
+from glm5next.checkpoint.specs import TensorSpec
 from glm5next.tokenizer import Tokenizer, TokenizerError, render_simple_template
 from .hf_oracle import hf_modeling
 

@@ -12,8 +12,8 @@ from glm5next.config import DSA, Glm5NextConfig
 from glm5next.model import dsa
 from glm5next.model.dsa import SparseMLA
 from glm5next.model.indexer import top_pools
-from glm5next.model.params import install_random
-from glm5next.runtime.cache import DsaCache
+from glm5next.checkpoint.specs import install_random
+from glm5next.forward import DsaCache
 from glm5next.runtime.metadata import build_metadata
 from tests.dsa_reference import reference_dsa
 from .hf_oracle import hf_modeling

@@ -12,8 +12,8 @@ import torch
 from glm5next.config import KDA, Glm5NextConfig
 from glm5next.model.kda import KimiDeltaAttention
 from glm5next.model.kda_recurrence import kda_chunked, kda_recurrent
-from glm5next.model.params import install_random, set_param
-from glm5next.runtime.cache import KdaState
+from glm5next.checkpoint.specs import install_random, set_param
+from glm5next.forward import KdaState
 from glm5next.runtime.metadata import build_metadata
 
 from .hf_oracle import import_hf

@@ -12,7 +12,7 @@ from glm5next.kernels import boundary as fused
 from glm5next.kernels.boundary import reference as ref
 from glm5next.model.mhc import HyperConnection, hc_contract, hc_expand, hc_post
 from glm5next.model.norm import rms_norm
-from glm5next.model.params import install_random, set_param
+from glm5next.checkpoint.specs import install_random, set_param
 
 N = 4
 HC_EPS, RMS_EPS, NORM_EPS, ITERS = 1e-6, 1e-5, 1e-5, 20

@@ -3,8 +3,9 @@
 import torch
 import torch.nn.functional as F
 
-from glm5next.runtime.cache import ModelCache
-from glm5next.runtime.metadata import ForwardContext, build_metadata
+from glm5next.forward import ForwardContext
+from glm5next.runtime.cache import allocate_cache
+from glm5next.runtime.metadata import build_metadata
 
 
 def dense(w, scale=None):
@@ -74,7 +75,7 @@ def test_mtp_layer_matches_reference(tiny_fp32):
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(T, cfg.hidden_size, generator=g)
     next_ids = torch.randint(0, 256, (T,), generator=g)
-    cache = ModelCache(cfg, 4, 8, 1, torch.float32, "cpu")
+    cache = allocate_cache(cfg, 4, 8, 1, torch.float32, "cpu")
     md = build_metadata([T], [0], 0, [0], [[0, 1]], 8, "cpu")
     ctx = ForwardContext({model.mtp.self_attn.prefix: md}, md.positions)
     with torch.inference_mode():
@@ -84,7 +85,7 @@ def test_mtp_layer_matches_reference(tiny_fp32):
     # Position 0 ignores its embedding: changing that token leaves row 0 unchanged.
     other = next_ids.clone()
     other[0] = (other[0] + 1) % 256
-    cache2 = ModelCache(cfg, 4, 8, 1, torch.float32, "cpu")
+    cache2 = allocate_cache(cfg, 4, 8, 1, torch.float32, "cpu")
     with torch.inference_mode():
         again = model.draft(other, hidden, ctx, cache2)
     assert torch.equal(again[0], got[0])

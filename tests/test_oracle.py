@@ -5,7 +5,7 @@ import torch
 
 from glm5next.checkpoint.writer import make_tiny_checkpoint
 from glm5next.model.backbone import Glm5NextModel
-from glm5next.runtime.cache import ModelCache
+from glm5next.runtime.cache import allocate_cache
 from glm5next.runtime.runner import Runner, Sequence
 
 from .hf_oracle import HfRunner, import_hf, rel_err
@@ -54,7 +54,7 @@ def checkpoint(request, tmp_path_factory):
 
 
 def run_ours(model, prompt, follow, block_size=8):
-    cache = ModelCache(model.config, 64, block_size, 1, torch.float32, "cpu", include_mtp=False)
+    cache = allocate_cache(model.config, 64, block_size, 1, torch.float32, "cpu", include_mtp=False)
     runner = Runner(model, cache)
     seq = Sequence(list(prompt), 0, blocks=list(range(63, -1, -1)))
     logits = [runner.step([seq])]

@@ -5,12 +5,12 @@ plain eager step, re-planned step after step; and the graph-safe MoE equals the 
 import pytest
 import torch
 
-from glm5next.runtime.cache import ModelCache
+from glm5next.runtime.cache import allocate_cache
 from glm5next.runtime.runner import Runner, Sequence, check_capture_sizes
 
 
 def prefilled(model, lens, capture_sizes=(1, 2, 4, 8)):
-    cache = ModelCache(model.config, 64, 16, 8, torch.float32, "cpu", include_mtp=False)
+    cache = allocate_cache(model.config, 64, 16, 8, torch.float32, "cpu", include_mtp=False)
     runner = Runner(model, cache, max_model_len=256, capture_sizes=capture_sizes)
     g = torch.Generator().manual_seed(len(lens))
     seqs = [Sequence(torch.randint(0, 256, (n,), generator=g).tolist(), i, list(range(8 * i, 8 * i + 8)))

@@ -8,7 +8,8 @@ import types
 import pytest
 import torch
 
-from glm5next.runtime.metadata import CUDAGraphMode, ForwardContext, build_metadata
+from glm5next.forward import CUDAGraphMode, ForwardContext
+from glm5next.runtime.metadata import build_metadata
 from glm5next.specialized_decode import STAGES, Policy, PolicyError, SpecializedDecode, build_executor, is_decode
 
 SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80)

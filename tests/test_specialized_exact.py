@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from glm5next.model.mhc import hc_post
-from glm5next.runtime.cache import ModelCache
+from glm5next.runtime.cache import allocate_cache
 from glm5next.runtime.runner import Runner, Sequence
 from glm5next.specialized_decode import STAGES, Policy, SpecializedDecode
 
@@ -92,7 +92,7 @@ def test_projection_stage_equals_stock_pieces(tiny_fp32, monkeypatch, choice):
 def test_dense_and_shared_expert_stages_equal_stock(tiny_fp32, monkeypatch):
     from types import SimpleNamespace
 
-    from glm5next.runtime.metadata import CUDAGraphMode
+    from glm5next.forward import CUDAGraphMode
     from glm5next.specialized_decode.dense_mlp import DenseMlpStage
 
     ex = SpecializedDecode(tiny_fp32, policy(), SIZES)
@@ -204,7 +204,7 @@ def _stock_norm(norm, x):
 
 
 def prefilled(model, lens, executor=None):
-    cache = ModelCache(model.config, 80, 16, 8, torch.float32, "cpu", include_mtp=False)
+    cache = allocate_cache(model.config, 80, 16, 8, torch.float32, "cpu", include_mtp=False)
     runner = Runner(model, cache, max_model_len=320, capture_sizes=SIZES, executor=executor)
     runner.graph_mode = executor is not None
     g = torch.Generator().manual_seed(7)
@@ -426,7 +426,7 @@ def test_fp16_copies_leave_planned_bf16_steps_bit_for_bit(tiny_dir, monkeypatch)
     def decode(copies: bool):
         monkeypatch.setattr(Fp16Copies, "get", counted if copies else lambda self, x: None)
         ex = SpecializedDecode(model, policy(), SIZES)
-        cache = ModelCache(model.config, 80, 16, 8, torch.bfloat16, "cpu", include_mtp=False)
+        cache = allocate_cache(model.config, 80, 16, 8, torch.bfloat16, "cpu", include_mtp=False)
         runner = Runner(model, cache, max_model_len=320, capture_sizes=SIZES, executor=ex)
         runner.graph_mode = True
         g = torch.Generator().manual_seed(7)

@@ -7,8 +7,8 @@ distribution is the target's."""
 import pytest
 import torch
 
-from glm5next.model.kda import KimiDeltaAttention
-from glm5next.runtime.cache import ModelCache
+from glm5next.runtime.kda_commit import commit, commit_rows
+from glm5next.runtime.cache import allocate_cache, bytes_per_slot
 from glm5next.runtime.engine_core import LLMEngine
 from glm5next.runtime.metadata import build_metadata
 from glm5next.runtime.sampler import SamplingParams
@@ -139,7 +139,7 @@ def test_speculation_through_preemption(tiny_fp32, tiny_dir, plain):
 def test_kda_verify_reads_only_and_commit_advances_over_accepted_tokens(tiny_fp32):
     kda, cfg = tiny_fp32.layers[0].self_attn, tiny_fp32.config
     x = torch.randn(12, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
-    caches = [ModelCache(cfg, 8, 16, 2, torch.float32, "cpu", include_mtp=False, verify_tokens=4) for _ in range(2)]
+    caches = [allocate_cache(cfg, 8, 16, 2, torch.float32, "cpu", include_mtp=False, verify_tokens=4) for _ in range(2)]
     for c in caches:
         kda(x[:8], build_metadata([8], [0], 0, [1], [[0]], 16, "cpu"), c.kda[0])
     seq, ver = caches[0].kda[0], caches[1].kda[0]
@@ -152,27 +152,27 @@ def test_kda_verify_reads_only_and_commit_advances_over_accepted_tokens(tiny_fp3
     assert torch.equal(ver.conv, before[0]) and torch.equal(ver.recurrent, before[1])  # a verify only reads
     torch.testing.assert_close(out, torch.cat([s[0] for s in steps]), rtol=1e-5, atol=1e-6)
     for n in (1, 2, 3):
-        KimiDeltaAttention.commit(ver, [1], [n])
+        commit(ver, [1], [n])
         torch.testing.assert_close(ver.conv[1], steps[n - 1][1], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(ver.recurrent[1], steps[n - 1][2], rtol=1e-5, atol=1e-6)
         committed = ver.recurrent[1].clone()
         ver.conv.copy_(before[0])
         ver.recurrent.copy_(before[1])
-        KimiDeltaAttention.commit(ver, [1], [n])
+        commit(ver, [1], [n])
         assert torch.equal(ver.recurrent[1], committed)  # commit is a function of what the verify left
         if n < 3:  # counter-example: advancing over every verified token is not the rollback
-            KimiDeltaAttention.commit(ver, [1], [3])
+            commit(ver, [1], [3])
             assert not torch.equal(ver.recurrent[1], committed)
         ver.conv.copy_(before[0])
         ver.recurrent.copy_(before[1])
     assert torch.equal(ver.recurrent[0], before[1][0])  # another slot is never touched
     for n in (0, 1, 3):  # the graph's commit over device tensors: the same states (0: a padding row)
         if n:
-            KimiDeltaAttention.commit(ver, [1], [n])
+            commit(ver, [1], [n])
         want = (ver.conv[1].clone(), ver.recurrent[1].clone())
         ver.conv.copy_(before[0])
         ver.recurrent.copy_(before[1])
-        KimiDeltaAttention.commit_rows(ver, torch.tensor([1]), torch.tensor([n]))
+        commit_rows(ver, torch.tensor([1]), torch.tensor([n]))
         assert torch.equal(ver.conv[1], want[0])
         torch.testing.assert_close(ver.recurrent[1], want[1], rtol=1e-6, atol=1e-7)
         ver.conv.copy_(before[0])
@@ -310,10 +310,10 @@ def test_bench_end_to_end_with_speculation(tmp_path):
 
 def test_verify_scratch_is_counted_in_the_cache_budget(tiny_fp32):
     cfg = tiny_fp32.config
-    cache = ModelCache(cfg, 4, 16, 3, torch.float32, "cpu", include_mtp=True, verify_tokens=3)
+    cache = allocate_cache(cfg, 4, 16, 3, torch.float32, "cpu", include_mtp=True, verify_tokens=3)
     kda_bytes = sum(t.numel() * t.element_size() for s in cache.kda.values()
                     for t in [s.conv, s.recurrent, *s.verify.values()])
-    assert kda_bytes == 4 * ModelCache.bytes_per_slot(cfg, torch.float32, verify_tokens=3)
+    assert kda_bytes == 4 * bytes_per_slot(cfg, torch.float32, verify_tokens=3)
 
 
 def test_draft_layer_runs_through_the_executor_stages(tiny_fp32, tiny_dir, plain, tmp_path):
@@ -341,7 +341,7 @@ def test_drafts_through_stages_equal_stock_drafts(tiny_fp32):
     cfg = tiny_fp32.config
     outs, caches = [], []
     for st in (None, stages):
-        cache = ModelCache(cfg, 8, 16, 2, torch.float32, "cpu", verify_tokens=3)
+        cache = allocate_cache(cfg, 8, 16, 2, torch.float32, "cpu", verify_tokens=3)
         rows = [DraftRow(0, [0, 1], 0, torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(1)),
                          [3, 9, 27, 81, 243], SamplingParams(temperature=0), None, "a"),
                 DraftRow(1, [2, 3], 0, torch.randn(3, cfg.hidden_size, generator=torch.Generator().manual_seed(2)),

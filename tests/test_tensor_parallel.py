@@ -20,7 +20,7 @@ from glm5next.checkpoint.loader import CheckpointError
 from glm5next.checkpoint.writer import make_tiny_checkpoint
 from glm5next.model.backbone import Glm5NextModel
 from glm5next.parallel import TensorParallel, all_gather_object, init_tensor_parallel
-from glm5next.runtime.cache import ModelCache
+from glm5next.runtime.cache import allocate_cache
 from glm5next.runtime.runner import Runner, Sequence
 from glm5next.specialized_decode import Policy, SpecializedDecode
 
@@ -109,7 +109,7 @@ def test_each_rank_reads_only_its_slices_and_the_shards_rebuild_the_weights(tp_d
 def run_steps(model: Glm5NextModel):
     """fp32 logits [1 + DECODE_STEPS, 2, vocab] of a prefill of two sequences and decode steps fed
     fixed tokens, and the cache."""
-    cache = ModelCache(model.config, 16, 16, 2, torch.float32, "cpu", include_mtp=False, tp_size=model.tp.size)
+    cache = allocate_cache(model.config, 16, 16, 2, torch.float32, "cpu", include_mtp=False, tp_size=model.tp.size)
     runner = Runner(model, cache, 256)
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
@@ -299,7 +299,7 @@ def run_planned(model: Glm5NextModel, policy: dict | None):
     """fp32 logits of decode steps planned by the executor under `policy` (graph mode, as captured
     steps run; None: no executor, stock), the steps it planned and what it logged."""
     ex = SpecializedDecode(model, Policy(policy), (1, 2, 4)) if policy is not None else None
-    cache = ModelCache(model.config, 16, 16, 3, torch.float32, "cpu", include_mtp=False, tp_size=model.tp.size)
+    cache = allocate_cache(model.config, 16, 16, 3, torch.float32, "cpu", include_mtp=False, tp_size=model.tp.size)
     runner = Runner(model, cache, 256, capture_sizes=(1, 2, 4), executor=ex)
     g = torch.Generator().manual_seed(2)
     vocab = model.config.vocab_size

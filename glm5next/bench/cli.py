@@ -10,6 +10,16 @@ import re
 import sys
 import time
 
+import torch
+import torch.distributed as dist
+
+from ..runtime.speculative import MAX_SPECULATIVE_TOKENS
+from ..specialized_decode.policy import POLICY_DIR, STAGES, Policy, PolicyError, gpu_slug
+from .slice import build_slice_model, slice_config
+from .specialized import format_targets, run_specialized, tune_policy
+from .speculative import format_speculative, run_speculative
+from .stock import StockOptions, _versions, run_stock
+
 DEFAULT_LEVELS = "1,2,4,8,16,32,64"
 DEFAULT_REQUESTS = "1,4,16"
 DEFAULT_SPEC_TOKENS = "1,2,3"
@@ -112,8 +122,6 @@ def _clean(obj):
 def format_table(result: dict) -> str:
     """A readable summary of a result."""
     if result["mode"] == "speculative":
-        from .speculative import format_speculative
-
         return format_speculative(result)
     bw = result["bandwidth"]["bytes_per_s"]
     lines = [f"{result['mode']} runtime, {result['slice']} slice on {result['device']} (torch {result['torch']}, "
@@ -143,8 +151,6 @@ def format_table(result: dict) -> str:
                          + (f"{st['us']:9.1f} us {100 * st['bw_fraction']:5.1f} % | " if "us" in st else " " * 22)
                          + f"stock {st['stock_us']:9.1f} us {100 * st['stock_bw_fraction']:5.1f} %")
     if result.get("targets"):
-        from .specialized import format_targets
-
         lines += format_targets(result["targets"])
     if result.get("e2e"):
         lines.append(f"{'conc':>4} {'out tok':>8} {'seconds':>8} {'tok/s':>9} {'TPOT ms':>8} {'TTFT ms':>8}")
@@ -156,16 +162,11 @@ def format_table(result: dict) -> str:
 
 
 def _is_rank0() -> bool:
-    import torch.distributed as dist
-
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def cmd_bench(args) -> int:
     """Run the benchmark `args` describe, write the JSON, print the table; the exit status."""
-    from ..runtime.speculative import MAX_SPECULATIVE_TOKENS
-    from .stock import StockOptions, run_stock
-
     speculative = args.mode == "speculative"
     if args.tensor_parallel_size < 1 or (args.tensor_parallel_size > 1 and args.mode != "stock"):
         print("glm5next bench: --tensor-parallel-size must be >= 1, and above 1 only with --mode stock", file=sys.stderr)
@@ -189,12 +190,8 @@ def cmd_bench(args) -> int:
         speculative_config=args.speculative_config, tensor_parallel_size=args.tensor_parallel_size,
     )
     if args.mode == "specialized":
-        from .specialized import run_specialized
-
         result = _clean(run_specialized(opts, args.policy))
     elif speculative:
-        from .speculative import run_speculative
-
         result = _clean(run_speculative(opts, args.policy, args.requests, args.num_speculative_tokens,
                                         args.accepted_lengths))
     else:
@@ -253,8 +250,6 @@ def merge_policy_docs(old: dict, new: dict) -> dict:
     """`new` (a tune-policy document) with the token counts it did not measure taken from `old` (an
     earlier policy document): tables and times, sorted by token count. A GPU other than `new`'s is an
     error (its tables would not apply)."""
-    from ..specialized_decode.policy import Policy, PolicyError
-
     if old.get("gpu") not in (None, new.get("gpu")):
         raise PolicyError(f"it was measured on {old.get('gpu')!r}, this run on {new.get('gpu')!r}")
     measured = {stage: set(table) for stage, table in new["tables"].items()}
@@ -276,13 +271,6 @@ def merge_policy_docs(old: dict, new: dict) -> dict:
 
 
 def cmd_tune(args) -> int:
-    import torch
-
-    from ..specialized_decode.policy import POLICY_DIR, STAGES, Policy, PolicyError, gpu_slug
-    from .slice import build_slice_model, slice_config
-    from .specialized import tune_policy
-    from .stock import _versions
-
     if not torch.cuda.is_available():
         print("glm5next tune-policy: needs a CUDA GPU (it measures CUDA-graph replays)", file=sys.stderr)
         return 2

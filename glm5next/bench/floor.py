@@ -20,7 +20,7 @@ import torch
 from ..config import DSA, KDA
 from ..model.backbone import Glm5NextModel
 from ..model.moe import RoutedExperts
-from ..runtime.cache import ModelCache
+from ..forward import ModelCache
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -15,13 +15,13 @@ import math
 
 import torch
 
-from ..checkpoint.fp8 import quantize_fp8_blocks
+from ..checkpoint.fp8 import FP8_BLOCK, FP8_DTYPE, quantize_fp8_blocks, scale_shape
 from ..checkpoint.inventory import FP8, FP32, expected_tensors
 from ..config import Glm5NextConfig
+from ..forward import ModelCache
 from ..model.backbone import Glm5NextModel
-from ..model.params import FP8_BLOCK, FP8_DTYPE, scale_shape
 from ..parallel.group import SINGLE, TensorParallel
-from ..runtime.cache import ModelCache
+from ..runtime.cache import allocate_cache
 
 CHUNK_ELEMS = 1 << 26
 """Most fp32 random values drawn at once (256 MiB), so the 40 GB slice never needs a full fp32 copy."""
@@ -216,8 +216,8 @@ def make_cache(
     """A cache with room for `num_seqs` sequences of `context` tokens plus `extra_tokens` new ones each
     (with the MTP layer's cache and the KDA verify scratch of `verify_tokens`-token steps when asked)."""
     per = blocks_per_sequence(context, block_size, extra_tokens)
-    return ModelCache(config, num_seqs * per, block_size, num_seqs, dtype, device, include_mtp=include_mtp,
-                      verify_tokens=verify_tokens, tp_size=tp_size)
+    return allocate_cache(config, num_seqs * per, block_size, num_seqs, dtype, device, include_mtp=include_mtp,
+                          verify_tokens=verify_tokens, tp_size=tp_size)
 
 
 def _fill_normal_(t: torch.Tensor, std: float, gen: torch.Generator) -> None:

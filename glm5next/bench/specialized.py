@@ -14,7 +14,7 @@ import time
 import torch
 
 from ..config import DSA, KDA
-from ..runtime.metadata import CUDAGraphMode, ForwardContext
+from ..forward import CUDAGraphMode, ForwardContext
 from ..runtime.runner import Runner
 from ..specialized_decode import Policy, SpecializedDecode
 from ..specialized_decode.describe import merge_equal_choices

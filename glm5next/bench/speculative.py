@@ -32,7 +32,7 @@ import time
 import torch
 
 from ..runtime.draft_graph import DraftGraphs, DraftRequest
-from ..runtime.metadata import CUDAGraphMode, ForwardContext
+from ..forward import CUDAGraphMode, ForwardContext
 from ..runtime.runner import Runner
 from ..runtime.sampler import SamplingParams
 from ..runtime.speculative import DraftRow, MtpDrafter

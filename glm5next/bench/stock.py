@@ -23,9 +23,12 @@ import time
 from dataclasses import dataclass
 
 import torch
+import triton
 
 from ..parallel.group import init_tensor_parallel, local_rank
+from ..runtime.engine_core import LLMEngine
 from ..runtime.runner import Runner
+from ..runtime.sampler import SamplingParams
 from .floor import floor_seconds, measure_read_bandwidth, record_routing, step_bytes, time_replays
 from .slice import build_slice_model, fill_context, make_cache, slice_config
 
@@ -106,12 +109,7 @@ def _items(m: int, context: int, blocks: list[list[int]], vocab: int, seed: int)
 
 
 def _versions(device: torch.device) -> dict:
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
+    triton_version = triton.__version__
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "triton": triton_version, "cuda": torch.version.cuda,
@@ -238,12 +236,6 @@ def _step_benchmarks(model, config, device, tokens, opts: StockOptions, bandwidt
 def run_e2e(model, device: torch.device, opts: StockOptions, notes: list) -> list:
     """Output tokens/s and time per output token through `LLMEngine` at each concurrency: that many
     requests of `prompt_len` random tokens, `gen_len` greedy tokens each (EOS ignored), CUDA graphs on."""
-    try:
-        from ..runtime.engine_core import LLMEngine
-        from ..runtime.sampler import SamplingParams
-    except ImportError as e:
-        notes.append(f"end-to-end skipped: the engine is unavailable ({e})")
-        return []
     levels = sorted(set(opts.concurrency))
     if not levels:
         return []

@@ -1,7 +1,7 @@
-"""FP8 e4m3 block quantization with power-of-two scales, as the checkpoint stores weights.
+"""FP8 e4m3 block-scaled weights as the checkpoint stores them: the storage dtype, the block size, the
+scale grid's shape, quantization with power-of-two scales and its inverse.
 
-The inverse is `glm5next.model.params.dequantize_fp8`. Scales are powers of
-two, so dividing by them is exact and dequantization (fp8 value times scale)
+Scales are powers of two, so dividing by them is exact and dequantization (fp8 value times scale)
 is exact in both bf16 and fp32.
 """
 
@@ -10,8 +10,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..model.params import FP8_BLOCK, FP8_DTYPE, scale_shape
-
+FP8_DTYPE = torch.float8_e4m3fn
+"""Storage dtype of FP8 block-quantized weights."""
+FP8_BLOCK = 128
+"""Side of the square weight block that shares one FP8 scale."""
 FP8_MAX = 448.0
 """Largest finite magnitude of float8 e4m3fn."""
 
@@ -39,3 +41,17 @@ def quantize_fp8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     scaled = blocks / scale[..., :, None, :, None]
     q = scaled.reshape(padded.shape)[..., :rows, :cols].to(FP8_DTYPE)
     return q.contiguous(), scale.contiguous()
+
+
+def scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Shape of the block-scale grid of an FP8 weight of `shape` (last two dims blocked)."""
+    *lead, rows, cols = shape
+    return (*lead, -(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK))
+
+
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`weight` [..., out, in] FP8 times its block scales [..., ceil(out/128), ceil(in/128)], as `dtype`."""
+    rows, cols = weight.shape[-2:]
+    s = scale_inv.float().repeat_interleave(FP8_BLOCK, dim=-2).repeat_interleave(FP8_BLOCK, dim=-1)
+    s = s[..., :rows, :cols]
+    return (weight.float() * s).to(dtype)

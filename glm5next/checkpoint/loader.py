@@ -21,9 +21,9 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from ..config import ConfigError, Glm5NextConfig
-from ..model.params import FP8_BLOCK, TensorSpec, scale_shape
-from ..parallel.group import Shard
+from .fp8 import FP8_BLOCK, scale_shape
 from .inventory import LM_HEAD, SCALE_SUFFIX, TEXT_PREFIX, VISUAL_PREFIX, checkpoint_key
+from .specs import TensorSpec
 
 INDEX_FILE = "model.safetensors.index.json"
 """Name of the index of a sharded checkpoint."""

@@ -127,10 +127,11 @@ def cast(x: torch.Tensor, dtype: torch.dtype, out16: torch.Tensor | None = None,
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, out16: torch.Tensor | None = None,
                        out: torch.Tensor | None = None) -> torch.Tensor:
-    """`rms_norm` in PyTorch: the stock norm, and its fp16 conversion into `out16`."""
-    from ..model.norm import rms_norm as stock
-
-    out = stock(x, weight, eps) if out is None else out.copy_(stock(x, weight, eps))
+    """`rms_norm` in PyTorch (the stock norm's numerics: fp32 statistics, x's dtype out), and its fp16
+    conversion into `out16`."""
+    x32 = x.float()
+    y = (weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)).to(x.dtype)
+    out = y if out is None else out.copy_(y)
     if out16 is not None:
         out16.copy_(out)
     return out

@@ -5,17 +5,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..checkpoint.loader import load_checkpoint
+from ..checkpoint.specs import TensorSpec, set_param
 from ..config import Glm5NextConfig
+from ..forward import ForwardContext, ModelCache
 from ..parallel.collectives import all_gather
 from ..parallel.group import SINGLE, TensorParallel, check_divisible
 from ..parallel.layers import ColumnParallelLinear, vocab_parallel_embedding
-from ..runtime.cache import ModelCache
-from ..runtime.metadata import ForwardContext
 from .layer import DecoderLayer
 from .mhc import hc_contract, hc_expand
 from .mtp import MtpLayer
 from .norm import RMSNorm
-from .params import TensorSpec, set_param
 
 
 class Glm5NextModel(nn.Module):
@@ -49,8 +49,6 @@ class Glm5NextModel(nn.Module):
     ) -> "Glm5NextModel":
         """The backbone with the weights of the checkpoint in `model_dir`; under tensor parallelism,
         this rank's shards only, read as slices of the checkpoint's tensors."""
-        from ..checkpoint.loader import load_checkpoint
-
         config = Glm5NextConfig.from_file(model_dir)
         model = cls(config, tp=tp)
         mtp_prefix = model.mtp.prefix + "." if model.mtp is not None else None

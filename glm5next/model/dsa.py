@@ -19,15 +19,13 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from ..checkpoint.specs import TensorSpec
 from ..config import Glm5NextConfig
-from ..runtime.cache import DsaCache
-from ..runtime.metadata import AttnMetadata
-from .indexer import Indexer
+from ..forward import AttnMetadata, DsaCache
 from ..parallel.group import SINGLE, TensorParallel
-from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
-from .linear import Linear
+from ..parallel.layers import ColumnParallelLinear, Linear, RowParallelLinear
+from .indexer import Indexer
 from .norm import RMSNorm
-from .params import TensorSpec
 
 PREFILL_CHUNK_ELEMS = 1 << 26
 """Budget (elements) of the per-chunk score and gathered-latent tensors of the eager prefill path."""

@@ -14,13 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..checkpoint.specs import TensorSpec, set_param
 from ..config import INDEXER_KEY_NORM_EPS, Glm5NextConfig
-from ..runtime.cache import DsaCache
+from ..forward import DsaCache
 from ..parallel.collectives import all_reduce
 from ..parallel.group import SINGLE, TensorParallel
-from ..parallel.layers import ColumnParallelLinear
-from .linear import Linear
-from .params import TensorSpec, set_param
+from ..parallel.layers import ColumnParallelLinear, Linear
 
 _TIE_BITS = 32
 """Low bits of the top-k sort key that hold the (reversed) pool index, so ties go to the lower pool."""

@@ -22,14 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..checkpoint.specs import TensorSpec, set_param
 from ..config import KDA_L2_EPS, Glm5NextConfig
-from ..runtime.cache import KdaState
-from ..runtime.metadata import AttnMetadata
-from .kda_recurrence import kda_chunked, kda_step
+from ..forward import AttnMetadata, KdaState
 from ..parallel.group import SINGLE, TensorParallel
-from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
-from .linear import Linear
-from .params import TensorSpec, set_param
+from ..parallel.layers import ColumnParallelLinear, Linear, RowParallelLinear
+from .kda_recurrence import kda_chunked, kda_step
 
 _LINEARS = ("q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj", "f_b_proj", "g_a_proj", "g_b_proj", "o_proj")
 _CONVS = ("q_conv1d", "k_conv1d", "v_conv1d")
@@ -214,8 +212,8 @@ class KimiDeltaAttention(nn.Module):
     ) -> torch.Tensor:
         """Delta-rule outputs [N * q, H, V] fp32 of q tokens per decode row (a speculative verify).
 
-        The conv window and the recurrent state are only read: what `commit` needs to advance them
-        over the accepted tokens is left in `state.verify`, so rejected tokens never touch them.
+        The conv window and the recurrent state are only read: what `runtime.kda_commit` needs to advance
+        them over the accepted tokens is left in `state.verify`, so rejected tokens never touch them.
         """
         if state.verify is None or state.verify["k"].shape[1] < q:
             raise RuntimeError(f"a {q}-token verify needs a cache built with verify_tokens >= {q}")
@@ -235,38 +233,6 @@ class KimiDeltaAttention(nn.Module):
         for name, value in (("k", kh), ("v", vh), ("g", g), ("beta", b)):
             saved[name][:, :q].index_copy_(0, slots, value.float())
         return torch.stack(outs, 1).reshape(n * q, *outs[0].shape[1:])
-
-    @staticmethod
-    def commit(state: KdaState, slots: list[int], accepted: list[int]) -> None:
-        """Advance each slot's conv window and state over its first `accepted` verified tokens (>= 1),
-        from what the verify step left: the fp32 state is written once."""
-        keep = state.conv.shape[-1]
-        saved = state.verify
-        for slot, n in zip(slots, accepted):
-            state.conv[slot] = saved["window"][slot, :, n : n + keep]
-            s = state.recurrent[slot]
-            for j in range(n):
-                k = saved["k"][slot, j]
-                _, s = kda_step(k, k, saved["v"][slot, j], saved["g"][slot, j], saved["beta"][slot, j], s)
-            state.recurrent[slot] = s
-
-    @staticmethod
-    def commit_rows(state: KdaState, slots: torch.Tensor, accepted: torch.Tensor) -> None:
-        """`commit` for device tensors, with fixed shapes and no host syncs (it runs inside a CUDA graph):
-        `slots` [N] int64 (padding already redirected to the scratch slot), `accepted` [N] int64
-        tokens to advance over (0 leaves a row as it was)."""
-        saved = state.verify
-        keep = state.conv.shape[-1]
-        window = saved["window"][slots]  # [N, 3HK, keep + q]
-        cols = accepted[:, None] + torch.arange(keep, device=slots.device)
-        conv = window.gather(2, cols[:, None, :].expand(-1, window.shape[1], -1))
-        s = state.recurrent[slots]
-        for j in range(saved["k"].shape[1]):
-            k = saved["k"][slots, j]
-            _, nxt = kda_step(k, k, saved["v"][slots, j], saved["g"][slots, j], saved["beta"][slots, j], s)
-            s = torch.where((accepted > j).view(-1, 1, 1, 1), nxt, s)
-        state.conv.index_copy_(0, slots, conv)
-        state.recurrent.index_copy_(0, slots, s)
 
     def _prefill(
         self,

@@ -5,17 +5,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..checkpoint.specs import TensorSpec
 from ..config import DSA, KDA, Glm5NextConfig
+from ..forward import CUDAGraphMode, ForwardContext, ModelCache
 from ..parallel.group import SINGLE, TensorParallel
-from ..runtime.cache import ModelCache
-from ..runtime.metadata import CUDAGraphMode, ForwardContext
 from .dsa import SparseMLA
 from .kda import KimiDeltaAttention
 from .mhc import HyperConnection, hc_post
 from .mlp import MLP
 from .moe import MoE
 from .norm import RMSNorm
-from .params import TensorSpec
 
 
 class DecoderLayer(nn.Module):

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..checkpoint.specs import TensorSpec, set_param
 from ..config import MHC_POST_MULT, Glm5NextConfig
-from .params import TensorSpec, set_param
 
 
 class HyperConnection(nn.Module):

@@ -6,12 +6,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..checkpoint.fp8 import FP8_DTYPE, dequantize_fp8
+from ..checkpoint.specs import TensorSpec, set_param
 from ..config import ROUTER_NORM_EPS, Glm5NextConfig
 from ..kernels.moe import ExpertWeights, moe_prefill
 from ..parallel.collectives import reduce_output
 from ..parallel.group import SINGLE, TensorParallel
 from .mlp import MLP, clamped_swiglu
-from .params import FP8_DTYPE, TensorSpec, dequantize_fp8, set_param
 
 
 class Router(nn.Module):

@@ -5,15 +5,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..checkpoint.specs import TensorSpec
 from ..config import DSA, Glm5NextConfig
+from ..forward import CUDAGraphMode, ForwardContext, ModelCache
 from ..parallel.group import SINGLE, TensorParallel
-from ..runtime.cache import ModelCache
-from ..runtime.metadata import CUDAGraphMode, ForwardContext
+from ..parallel.layers import Linear
 from .dsa import SparseMLA
-from .linear import Linear
 from .moe import MoE
 from .norm import RMSNorm
-from .params import TensorSpec
 
 
 class MtpLayer(nn.Module):

@@ -17,32 +17,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..checkpoint.specs import Shard
 from ..config import Glm5NextConfig
 
 TP_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 """Environment every tensor-parallel process runs with: NVLink SHARP (multicast) stays off."""
 CONTROL_TIMEOUT = timedelta(days=7)
 """How long a follower rank waits for rank 0's next step (a server may idle for long)."""
-
-
-@dataclass(frozen=True)
-class Shard:
-    """Part `rank` of `size` equal parts of a checkpoint tensor along dimension `dim`."""
-
-    dim: int
-    rank: int
-    size: int
-
-    def bounds(self, full: int) -> tuple[int, int]:
-        """The [start, stop) range of this part along a dimension of `full` entries."""
-        step = full // self.size
-        return self.rank * step, (self.rank + 1) * step
-
-    def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        """The shape of this part of a tensor of `shape`."""
-        out = list(shape)
-        out[self.dim] //= self.size
-        return tuple(out)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import queue
 import threading
 from typing import AsyncIterator
 
+from .engine_args import EngineArgs
 from .engine_core import LLMEngine, RequestOutput
 from .sampler import SamplingParams
 
@@ -45,10 +46,12 @@ class AsyncLLM:
         self._released = False
 
     @classmethod
-    def from_args(cls, model: str, **kwargs) -> "AsyncLLM":
-        """Load `model` into a new engine (keyword arguments as for `LLMEngine`)."""
-        kwargs.setdefault("progress", False)
-        return cls(LLMEngine(model, **kwargs))
+    def from_args(cls, model: str | EngineArgs, **kwargs) -> "AsyncLLM":
+        """Load `model` (a checkpoint folder, or `EngineArgs`) into a new engine, with `kwargs` the `EngineArgs`
+        fields; no progress bar unless asked for."""
+        if not isinstance(model, EngineArgs):
+            kwargs.setdefault("progress", False)
+        return cls(LLMEngine(EngineArgs.of(model, **kwargs)))
 
     # ---------------------------------------------------------------- control
     def start(self) -> None:

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from ..model.backbone import Glm5NextModel
-from .cache import ModelCache, blocks_for_budget
+from .cache import allocate_cache, blocks_for_budget, bytes_per_block
+from .runner import Runner
 
 logger = logging.getLogger(__name__)
 
@@ -43,12 +44,10 @@ class CachePlan:
 
 def _profile_peak(model: Glm5NextModel, block_size: int, chunk: int, decode_rows: int) -> int:
     """Peak bytes above the current allocation while running one prefill chunk and one padded decode step."""
-    from .runner import Runner
-
     device = model.embed_tokens.device
     blocks = -(-chunk // block_size)
-    cache = ModelCache(model.config, blocks, block_size, 1, model.embed_tokens.dtype, device, include_mtp=False,
-                       tp_size=model.tp.size)
+    cache = allocate_cache(model.config, blocks, block_size, 1, model.embed_tokens.dtype, device, include_mtp=False,
+                           tp_size=model.tp.size)
     runner = Runner(model, cache, max_model_len=blocks * block_size, capture_sizes=(max(decode_rows, 1),))
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
@@ -109,7 +108,7 @@ def plan_cache(
                                            verify_tokens=verify_tokens, tp_size=model.tp.size),
                          need * max_num_seqs)
     if num_blocks < need:
-        per_block = ModelCache.bytes_per_block(config, block_size, dtype, include_mtp=include_mtp)
+        per_block = bytes_per_block(config, block_size, dtype, include_mtp=include_mtp)
         raise ValueError(
             f"the cache holds {num_blocks} blocks of {block_size} tokens ({num_blocks * block_size} tokens), fewer "
             f"than one max_model_len={max_model_len} sequence needs ({need} blocks, "

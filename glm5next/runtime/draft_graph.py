@@ -5,7 +5,7 @@ After a verify graph replays, the host decides acceptance (one sync), writes eac
 count and tokens into static buffers (one host-to-device copy), and replays the draft graph of that
 size. The graph reads the verify step's static metadata and its post-norm hidden states, and:
 
-1. advances every KDA state over the accepted tokens (`KimiDeltaAttention.commit_rows`);
+1. advances every KDA state over the accepted tokens (`kda_commit.commit_rows`);
 2. runs the MTP layer over all q verified positions of each row, fed the accepted tokens: a row's
    positions past its accepted ones see garbage, but attention is causal and their cache entries lie
    past the sequence, rewritten before they are read; the output at the last accepted position is the
@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model.kda import KimiDeltaAttention
+from ..forward import AttnMetadata, CUDAGraphMode, ForwardContext
 from .batch_sampler import BatchSampler, SamplingTensors
-from .metadata import AttnMetadata, CUDAGraphMode, ForwardContext
+from .kda_commit import commit_rows
 from .sampler import SamplingParams
 
 DRAFT_COUNTER_BASE = 1 << 40
@@ -129,7 +129,7 @@ class DraftGraphs:
         md = self.runner.static.metadata(size, q)
         accepted = self._int("accepted", n)
         for state in self.cache.kda.values():
-            KimiDeltaAttention.commit_rows(state, state.slots(md.state_indices), accepted)
+            commit_rows(state, state.slots(md.state_indices), accepted)
         prefix = self.drafter.prefix
         ctx = ForwardContext({prefix: md}, md.positions, CUDAGraphMode.FULL, True)
         emb = self.model.embed(self._next_ids(size))

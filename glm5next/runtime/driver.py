@@ -10,6 +10,8 @@ stop message, which may carry a payload (e.g. the outputs of an offline `generat
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..parallel.collectives import broadcast_object
@@ -68,8 +70,6 @@ class DrivenRunner:
 
 def broadcast_spec(engine, plan) -> None:
     """Rank 0: send a speculative step's plan (token lists cut to what the step reads) to the followers."""
-    import dataclasses
-
     broadcast_object((SPEC, dataclasses.replace(plan, items=compact(plan.items))), engine.tp)
 
 

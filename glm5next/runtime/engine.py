@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import itertools
 
+from tqdm import tqdm
+
+from .engine_args import EngineArgs
 from .engine_core import CompletionOutput, LLMEngine, RequestOutput
-from .runner import DEFAULT_CAPTURE_SIZES
 from .sampler import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "CompletionOutput", "RequestOutput"]
+__all__ = ["LLM", "EngineArgs", "SamplingParams", "CompletionOutput", "RequestOutput"]
 
 
 class LLM:
@@ -20,33 +22,10 @@ class LLM:
     every rank returns rank 0's outputs.
     """
 
-    def __init__(
-        self,
-        model: str,
-        dtype: str = "bfloat16",
-        device: str | None = None,
-        max_model_len: int | None = None,
-        block_size: int = 16,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        num_blocks: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        enforce_eager: bool = False,
-        capture_sizes=DEFAULT_CAPTURE_SIZES,
-        seed: int = 0,
-        progress: bool = True,
-        decode_backend: str = "auto",
-        policy: str | None = None,
-        speculative_config=None,
-        tensor_parallel_size: int = 1,
-    ) -> None:
-        self.engine = LLMEngine(
-            model, dtype=dtype, device=device, max_model_len=max_model_len, block_size=block_size,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, num_blocks=num_blocks,
-            gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
-            capture_sizes=capture_sizes, seed=seed, progress=progress, decode_backend=decode_backend, policy=policy,
-            speculative_config=speculative_config, tensor_parallel_size=tensor_parallel_size,
-        )
+    def __init__(self, model: str | EngineArgs, **kwargs) -> None:
+        """The engine for checkpoint folder `model` (or `EngineArgs`), with `kwargs` the `EngineArgs` fields:
+        `dtype`, `device`, `max_model_len`, `max_num_seqs`, `speculative_config`, `tensor_parallel_size`, ..."""
+        self.engine = LLMEngine(EngineArgs.of(model, **kwargs))
         self.model, self.config, self.tokenizer = self.engine.model, self.engine.config, self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
         self._ids = itertools.count()
@@ -109,6 +88,4 @@ class _NoBar:
 def _progress(total: int, enabled: bool):
     if not enabled:
         return _NoBar()
-    from tqdm import tqdm
-
     return tqdm(total=total, desc="generate", unit="req")

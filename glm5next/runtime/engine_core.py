@@ -21,15 +21,20 @@ import torch
 from ..model.backbone import Glm5NextModel
 from ..parallel.collectives import min_int
 from ..parallel.group import init_tensor_parallel, local_rank
+from ..specialized_decode import build_executor
 from ..tokenizer import Tokenizer
 from .batch_sampler import BatchSampler
-from .cache import ModelCache
+from .cache import allocate_cache
 from .cache_plan import plan_cache
 from .detokenizer import IncrementalDetokenizer
+from .engine_args import EngineArgs
+from .draft_graph import DraftGraphs
 from .driver import DrivenRunner, follow
-from .runner import DEFAULT_CAPTURE_SIZES, Runner, check_capture_sizes
+from .runner import Runner, check_capture_sizes
 from .sampler import SamplingParams
 from .scheduler import BlockManager, Request, Scheduler
+from .spec_step import follow_spec, spec_step
+from .speculative import MtpDrafter, SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -84,50 +89,33 @@ class _Live:
 class LLMEngine:
     """GLM-5.3-Flash on one device (or one rank of a tensor-parallel group), stepping many requests together."""
 
-    def __init__(
-        self,
-        model: str | Glm5NextModel,
-        tokenizer: Tokenizer | None = None,
-        dtype: str = "bfloat16",
-        device: str | None = None,
-        max_model_len: int | None = None,
-        block_size: int = 16,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        num_blocks: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        enforce_eager: bool = False,
-        capture_sizes=DEFAULT_CAPTURE_SIZES,
-        seed: int = 0,
-        progress: bool = True,
-        decode_backend: str = "auto",
-        policy: str | None = None,
-        speculative_config=None,
-        tensor_parallel_size: int = 1,
-    ) -> None:
-        from .speculative import SpeculativeConfig
-
-        self.spec = SpeculativeConfig.parse(speculative_config)
-        if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) \
-                or tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r} must be a positive integer")
+    def __init__(self, model: str | Glm5NextModel | EngineArgs, tokenizer: Tokenizer | None = None, **kwargs) -> None:
+        """An engine for `model` (a checkpoint folder, a built backbone, or `EngineArgs`), with `kwargs` the
+        `EngineArgs` fields (they replace those of given `EngineArgs`)."""
+        args = self.args = EngineArgs.of(model, **kwargs)
+        model, device = args.model, args.device
+        self.spec = SpeculativeConfig.parse(args.speculative_config)
+        if not isinstance(args.tensor_parallel_size, int) or isinstance(args.tensor_parallel_size, bool) \
+                or args.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size={args.tensor_parallel_size!r} must be a positive integer")
         if isinstance(model, Glm5NextModel):
             self.model = model
             self.dtype = model.embed_tokens.dtype
-            if tensor_parallel_size not in (1, model.tp.size):
-                raise ValueError(f"tensor_parallel_size={tensor_parallel_size}, but the model was built for "
+            if args.tensor_parallel_size not in (1, model.tp.size):
+                raise ValueError(f"tensor_parallel_size={args.tensor_parallel_size}, but the model was built for "
                                  f"{model.tp.size} ranks")
         else:
-            if dtype not in DTYPES:
-                raise ValueError(f"dtype={dtype!r}: choose one of {sorted(DTYPES)}")
+            if args.dtype not in DTYPES:
+                raise ValueError(f"dtype={args.dtype!r}: choose one of {sorted(DTYPES)}")
             device = device or ("cuda" if torch.cuda.is_available() else "cpu")
             if device.startswith("cuda") and not torch.cuda.is_available():
                 raise ValueError(f"device={device!r} but CUDA is not available")
-            tp = init_tensor_parallel(tensor_parallel_size, torch.device(device).type)
+            tp = init_tensor_parallel(args.tensor_parallel_size, torch.device(device).type)
             if tp.size > 1 and device == "cuda":
                 device = f"cuda:{local_rank()}"
-            self.dtype = DTYPES[dtype]
-            self.model = Glm5NextModel.from_pretrained(model, self.dtype, device, progress=progress and tp.is_driver,
+            self.dtype = DTYPES[args.dtype]
+            self.model = Glm5NextModel.from_pretrained(model, self.dtype, device,
+                                                       progress=args.progress and tp.is_driver,
                                                        tp=tp)
             tokenizer = tokenizer or Tokenizer.from_dir(model)
         self.tp = self.model.tp
@@ -135,17 +123,18 @@ class LLMEngine:
         self.device = self.model.embed_tokens.device
         self.config = self.model.config
         self.tokenizer = tokenizer
-        self.max_model_len = max_model_len or self.config.max_position_embeddings
+        self.max_model_len = args.max_model_len or self.config.max_position_embeddings
         if not 1 < self.max_model_len <= self.config.max_position_embeddings:
             raise ValueError(f"max_model_len={self.max_model_len} must be in [2, max_position_embeddings="
                              f"{self.config.max_position_embeddings}]")
-        self.capture_sizes = check_capture_sizes(capture_sizes)
+        self.capture_sizes = check_capture_sizes(args.capture_sizes)
         if self.spec:  # verify steps run q = k + 1 tokens per request: capture multiples of q
             q = self.spec.num_speculative_tokens + 1
             self.capture_sizes = tuple(sorted({q * max(1, s // q) for s in self.capture_sizes}))
         self.plan = plan_cache(
-            self.model, self.max_model_len, block_size, max_num_seqs, max_num_batched_tokens, num_blocks,
-            gpu_memory_utilization, self.capture_sizes[-1] if not enforce_eager else 0, include_mtp=bool(self.spec),
+            self.model, self.max_model_len, args.block_size, args.max_num_seqs, args.max_num_batched_tokens,
+            args.num_blocks, args.gpu_memory_utilization, self.capture_sizes[-1] if not args.enforce_eager else 0,
+            include_mtp=bool(self.spec),
             verify_tokens=self.spec.num_speculative_tokens + 1 if self.spec else 0,
         )
         if self.tp.size > 1:  # every rank sizes its own memory; all hold what the smallest can
@@ -153,18 +142,19 @@ class LLMEngine:
         k = self.spec.num_speculative_tokens if self.spec else 0
         if self.spec and self.model.mtp is None:
             raise ValueError("speculative_config method 'mtp' needs a checkpoint with an MTP layer; this one has none")
-        self.cache = ModelCache(self.config, self.plan.num_blocks, block_size, max_num_seqs, self.dtype, self.device,
-                                include_mtp=bool(self.spec), verify_tokens=k + 1 if k else 0, tp_size=self.tp.size)
-        from ..specialized_decode import build_executor
+        self.cache = allocate_cache(self.config, self.plan.num_blocks, args.block_size, args.max_num_seqs, self.dtype,
+                                    self.device, include_mtp=bool(self.spec), verify_tokens=k + 1 if k else 0,
+                                    tp_size=self.tp.size)
 
-        self.executor = build_executor(self.model, decode_backend, policy, self.capture_sizes, enforce_eager, k + 1)
+        self.executor = build_executor(self.model, args.decode_backend, args.policy, self.capture_sizes,
+                                       args.enforce_eager, k + 1)
         self.runner = Runner(self.model, self.cache, self.max_model_len, self.capture_sizes, self.executor, k + 1)
-        if self.device.type == "cuda" and not enforce_eager:
+        if self.device.type == "cuda" and not args.enforce_eager:
             self.runner.capture()
         if self.tp.size > 1 and self.tp.is_driver:
             self.runner = DrivenRunner(self.runner, self.tp)
-        self.scheduler = Scheduler(BlockManager(self.plan.num_blocks, max_num_seqs, block_size), max_num_seqs,
-                                   max_num_batched_tokens)
+        self.scheduler = Scheduler(BlockManager(self.plan.num_blocks, args.max_num_seqs, args.block_size),
+                                   args.max_num_seqs, args.max_num_batched_tokens)
         self.drafter = None
         self._ended: list[str] = []
         """Speculative decoding: requests ended since the last step's plan (rank 0 tells the others)."""
@@ -173,22 +163,19 @@ class LLMEngine:
         self.draft_graphs = None
         """Speculative decoding: the post-verify graphs (KDA commit, MTP catch-up, drafts)."""
         if self.spec:
-            from .speculative import MtpDrafter
-
             stages = self.executor.draft_stages if self.executor is not None else None
             self.drafter = MtpDrafter(self.model, self.cache, k, stages)
-            from .draft_graph import DraftGraphs
-
             self.draft_graphs = DraftGraphs(self.runner, self.drafter, k)
-            if self.device.type == "cuda" and not enforce_eager:
+            if self.device.type == "cuda" and not args.enforce_eager:
                 self.draft_graphs.capture()
             self.scheduler.verify_tokens, self.scheduler.lookahead = k + 1, k
-            if max_num_batched_tokens < k + 1:
-                raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} cannot hold one {k + 1}-token verify")
+            if args.max_num_batched_tokens < k + 1:
+                raise ValueError(f"max_num_batched_tokens={args.max_num_batched_tokens} cannot hold one "
+                                 f"{k + 1}-token verify")
         self.sampler = BatchSampler(self.config.vocab_size)
         self.eos_token_ids = frozenset(
             (tokenizer.eos_token_ids if tokenizer is not None else ()) or self.config.eos_token_ids)
-        self._seeds = torch.Generator().manual_seed(seed)
+        self._seeds = torch.Generator().manual_seed(args.seed)
         self._live: dict[str, _Live] = {}
         self.stats = {"steps": 0, "graph_steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "preemptions": 0,
                       "verify_rows": 0, "drafted": 0, "accepted": 0, "accepted_at": [0] * k}
@@ -263,8 +250,6 @@ class LLMEngine:
         rank 0 passed to `release_followers`."""
         on_spec = None
         if self.spec:
-            from .spec_step import follow_spec
-
             on_spec = lambda plan: follow_spec(self, plan)  # noqa: E731
         return follow(self.runner, self.tp, on_spec)
 
@@ -291,8 +276,6 @@ class LLMEngine:
         if not self._live:
             return []
         if self.spec:
-            from .spec_step import spec_step
-
             return spec_step(self)
         out = self.scheduler.schedule()
         self.stats["preemptions"] += len(out.preempted)

@@ -1,93 +1,10 @@
-"""Per-step metadata that every attention layer reads, and the forward context.
-
-A step is a flat list of tokens from several sequences. Decode sequences come
-first (one token each, or `q` tokens each in a speculative verify), then prefill
-sequences (a chunk of their prompt each). Rows added only to reach a captured
-graph size are padding: their tokens have `slot_mapping == -1` and their
-sequences `state_indices == -1`, and no cache is written for them.
-"""
+"""Building the per-step metadata every attention layer reads (the types are in `glm5next.forward`)."""
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass, field
-
 import torch
 
-
-class CUDAGraphMode(enum.Enum):
-    """How the step runs: eagerly, or inside (the capture of) a full CUDA graph."""
-
-    NONE = "none"
-    FULL = "full"
-
-
-@dataclass
-class AttnMetadata:
-    """What one attention layer needs to run a step over the paged caches.
-
-    Device tensors have static shapes for a given graph size. The `*_cpu`
-    lists are host copies used only by the eager prefill path.
-    """
-
-    num_prefills: int
-    """Prefill sequences in the step (they follow the decodes)."""
-    num_prefill_tokens: int
-    num_decodes: int
-    """Decode sequences in the step, padding rows included."""
-    num_decode_tokens: int
-    positions: torch.Tensor
-    """[tokens] int64: absolute position of each token in its sequence."""
-    token_to_seq: torch.Tensor
-    """[tokens] int64: row of each token's sequence in the per-sequence tensors."""
-    slot_mapping: torch.Tensor
-    """[tokens] int64: flat paged-cache row (block * block_size + offset); -1 for padding."""
-    state_indices: torch.Tensor
-    """[seqs] int64: KDA state slot of each sequence; -1 for padding."""
-    block_tables: torch.Tensor
-    """[seqs, max_blocks] int64: the paged-cache blocks of each sequence, in order."""
-    seq_lens: torch.Tensor
-    """[seqs] int64: tokens of each sequence once this step's tokens are cached."""
-    query_start_loc_cpu: list[int] = field(default_factory=list)
-    """[seqs + 1]: first token of each sequence in the step (host)."""
-    context_lens_cpu: list[int] = field(default_factory=list)
-    """[seqs]: tokens each sequence had cached before this step (host)."""
-    num_spec_decodes: int = 0
-    """Sequences verifying speculative tokens (counted inside the decodes)."""
-    num_spec_decode_tokens: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens in the step, padding included."""
-        return self.num_decode_tokens + self.num_prefill_tokens
-
-    @property
-    def num_seqs(self) -> int:
-        """Sequences in the step, padding rows included."""
-        return self.num_decodes + self.num_prefills
-
-    @property
-    def decode_q(self) -> int:
-        """Tokens per decode sequence (1 for plain decode, q for a uniform verify)."""
-        return self.num_decode_tokens // self.num_decodes if self.num_decodes else 0
-
-
-@dataclass
-class ForwardContext:
-    """What a forward pass needs besides the token ids."""
-
-    attn_metadata: dict[str, AttnMetadata]
-    """Step metadata keyed by attention layer prefix (e.g. `layers.3.self_attn`)."""
-    positions: torch.Tensor
-    """[tokens] int64 absolute positions."""
-    cudagraph_mode: CUDAGraphMode = CUDAGraphMode.NONE
-    capturing: bool = False
-    """Whether this forward is being recorded into a CUDA graph (on the CPU: declared so, to run
-    the planned path eagerly). Warm-ups before a capture run with False, so they take the stock path."""
-
-    def metadata(self, prefix: str) -> AttnMetadata:
-        """The step metadata of the attention layer at `prefix`."""
-        return self.attn_metadata[prefix]
+from ..forward import AttnMetadata
 
 
 def build_metadata(

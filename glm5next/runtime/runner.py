@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..forward import AttnMetadata, CUDAGraphMode, ForwardContext, ModelCache
 from ..model.backbone import Glm5NextModel
-from .cache import ModelCache
-from .metadata import AttnMetadata, CUDAGraphMode, ForwardContext, build_metadata
+from .kda_commit import commit
+from .metadata import build_metadata
 
 DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 """Decode sizes captured by default; a step of n decodes replays the smallest size >= n."""
@@ -192,10 +193,8 @@ class Runner:
 
     def commit_verify(self, slots: list[int], accepted: list[int]) -> None:
         """Advance every KDA layer's state of `slots` over its first `accepted` verified tokens."""
-        from ..model.kda import KimiDeltaAttention
-
         for state in self.cache.kda.values():
-            KimiDeltaAttention.commit(state, slots, accepted)
+            commit(state, slots, accepted)
 
     # ----------------------------------------------------------------- graphs
     def graph_size(self, num_items: int, num_decodes: int) -> int | None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .draft_graph import DraftRequest
+from .driver import broadcast_spec
 from .sampler import SamplingParams
 from .speculative import DraftRow, accept_rows
 
@@ -88,8 +89,6 @@ def spec_step(engine) -> list:
     plan = SpecPlan(items, rows, len(out.decodes), q, engine._ended)
     engine._ended = []
     if engine.tp.size > 1:
-        from .driver import broadcast_spec
-
         broadcast_spec(engine, plan)
     new, graphed = run_device(engine, plan, lambda rid: live_of[rid])
     st = engine.stats

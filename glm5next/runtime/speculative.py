@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from .batch_sampler import BatchSampler, SamplingTensors, row_keys, uniforms
-from .metadata import ForwardContext, build_metadata
+from ..forward import ForwardContext
+from .metadata import build_metadata
 from .sampler import SamplingParams, filtered_probs
 
 MAX_SPECULATIVE_TOKENS = 5

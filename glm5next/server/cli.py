@@ -7,17 +7,20 @@ import asyncio
 import signal
 import sys
 
+from ..runtime.async_engine import AsyncLLM
+from ..runtime.engine_args import EngineArgs
+from ..runtime.engine_core import LLMEngine
+from .api import start_server
+
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Register `serve` on an argparse sub-parser collection."""
-    from ..cli import add_engine_args
-
     p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     p.add_argument("--model", required=True, help="the checkpoint folder")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_serve)
     return p
@@ -29,13 +32,7 @@ def cmd_serve(args) -> int:
 
 
 async def _serve(args) -> int:
-    from ..runtime.async_engine import AsyncLLM
-    from ..runtime.engine_core import LLMEngine
-    from .api import start_server
-
-    from ..cli import engine_kwargs
-
-    core = LLMEngine(args.model, seed=args.seed, progress=False, **engine_kwargs(args))
+    core = LLMEngine(EngineArgs.from_cli(args, seed=args.seed, progress=False))
     if not core.tp.is_driver:  # tensor parallelism: rank 0 serves and drives this rank's forwards
         for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 handles them, then releases this rank
             signal.signal(sig, signal.SIG_IGN)

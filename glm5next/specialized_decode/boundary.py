@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..config import MHC_POST_MULT, Glm5NextConfig
+from ..kernels import boundary as boundary_kernels
 from .copies import Fp16Copies
 
 
@@ -38,26 +39,23 @@ class BoundaryStage:
         `release_late` the launch after it (a programmatic dependent) starts only once the boundary's
         partial products are stored, beside its finisher; `deferred`: `comb` and the new comb are pending;
         `x16`: the kernel also writes the input in fp16, filed in `copies` for the projections that read it."""
-        from ..kernels.boundary import mhc_boundary
-
         buf = self._x16(out, x16)
-        return self._filed(mhc_boundary(out, streams, post, comb, hc.fn, hc.base, hc.scale, norm.weight,
-                                        norm_eps=norm.eps, pdl="late" if release_late else None,
-                                        defer_sinkhorn=deferred, comb_pending=deferred, x16=buf, **self.consts), buf)
+        y = boundary_kernels.mhc_boundary(out, streams, post, comb, hc.fn, hc.base, hc.scale, norm.weight,
+                                          norm_eps=norm.eps, pdl="late" if release_late else None,
+                                          defer_sinkhorn=deferred, comb_pending=deferred, x16=buf, **self.consts)
+        return self._filed(y, buf)
 
     def first(self, embedded, hc, norm, release_late: bool = False, deferred: bool = False, x16: bool = False):
         """(streams, post, comb, normalized input) of layer 0 from the embeddings (`deferred`: the comb
         is pending; `x16` as for a boundary)."""
-        from ..kernels.boundary import mhc_first
-
         buf = self._x16(embedded, x16)
-        return self._filed(mhc_first(embedded, hc.fn, hc.base, hc.scale, norm.weight, norm_eps=norm.eps,
-                                     pdl="late" if release_late else None, defer_sinkhorn=deferred, x16=buf,
-                                     **self.consts), buf)
+        y = boundary_kernels.mhc_first(embedded, hc.fn, hc.base, hc.scale, norm.weight, norm_eps=norm.eps,
+                                       pdl="late" if release_late else None, defer_sinkhorn=deferred, x16=buf,
+                                       **self.consts)
+        return self._filed(y, buf)
 
     def last(self, out, streams, post, comb, final_norm, deferred: bool = False):
         """The post-norm hidden states after the last sublayer (`deferred`: `comb` is pending)."""
-        from ..kernels.boundary import mhc_last
-
-        return mhc_last(out, streams, post, comb, final_norm.weight, norm_eps=final_norm.eps, comb_pending=deferred,
-                        hc_eps=self.consts["hc_eps"], sinkhorn_iters=self.consts["sinkhorn_iters"])
+        return boundary_kernels.mhc_last(out, streams, post, comb, final_norm.weight, norm_eps=final_norm.eps,
+                                         comb_pending=deferred, hc_eps=self.consts["hc_eps"],
+                                         sinkhorn_iters=self.consts["sinkhorn_iters"])

@@ -38,8 +38,8 @@ import torch
 from ..config import KDA
 from ..model.backbone import Glm5NextModel
 from ..model.mhc import hc_contract, hc_expand, hc_post
+from ..forward import AttnMetadata, CUDAGraphMode, ForwardContext
 from ..parallel.collectives import all_gather, all_reduce, partial_outputs, reduce_output
-from ..runtime.metadata import AttnMetadata, CUDAGraphMode, ForwardContext
 from .boundary import BoundaryStage
 from .copies import Fp16Copies
 from .dense_mlp import DenseMlpStage

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from ..checkpoint.fp8 import FP8_DTYPE
+from ..kernels import linear as linear_kernels
 from ..model.mlp import MLP
-from ..model.params import FP8_DTYPE
 from .copies import Fp16Copies
 
 
@@ -34,21 +35,17 @@ class DenseMlpStage:
 
     def reads_x16(self, tokens: int, dtype: torch.dtype) -> bool:
         """Whether the gate|up reads an fp16 copy of its input at this token count."""
-        from ..kernels.linear import reads_x16
-
-        return reads_x16(tokens, [self.mlp.gate_proj.weight], dtype, gated=True)
+        return linear_kernels.reads_x16(tokens, [self.mlp.gate_proj.weight], dtype, gated=True)
 
     def __call__(self, x: torch.Tensor, overlap: bool = False) -> torch.Tensor:
         """The MLP of `x` (`overlap`: the "fused-overlap" launches)."""
-        from ..kernels.linear import gate_up_swiglu, reads_x16, skinny_linear
-
         m = self.mlp
         x16 = None if self.copies is None else self.copies.get(x)
         h16 = None
-        if reads_x16(x.shape[0], [m.down_proj.weight], x.dtype):  # the gate|up writes the down's copy
+        if linear_kernels.reads_x16(x.shape[0], [m.down_proj.weight], x.dtype):  # the gate|up writes the down's copy
             h16 = torch.empty(x.shape[0], m.down_proj.weight.shape[1], dtype=torch.float16, device=x.device)
-        h = gate_up_swiglu(x, m.gate_proj.weight, m.gate_proj.weight_scale_inv, m.up_proj.weight,
-                           m.up_proj.weight_scale_inv, m.swiglu_limit, x16=x16, out16=h16,
-                           pdl="late" if overlap else None)
-        return skinny_linear(h, m.down_proj.weight, m.down_proj.weight_scale_inv, x16=h16,
-                             pdl=True if overlap else None)
+        h = linear_kernels.gate_up_swiglu(x, m.gate_proj.weight, m.gate_proj.weight_scale_inv, m.up_proj.weight,
+                                          m.up_proj.weight_scale_inv, m.swiglu_limit, x16=x16, out16=h16,
+                                          pdl="late" if overlap else None)
+        return linear_kernels.skinny_linear(h, m.down_proj.weight, m.down_proj.weight_scale_inv, x16=h16,
+                                            pdl=True if overlap else None)

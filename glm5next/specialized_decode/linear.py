@@ -24,15 +24,16 @@ import math
 
 import torch
 
+from ..checkpoint.fp8 import FP8_DTYPE
 from ..config import DSA, KDA
+from ..kernels import linear as linear_kernels
+from ..kernels import producers
 from ..model.dsa import DsaProjections
 from ..model.kda import KdaProjections
-from ..model.linear import Linear
 from ..model.norm import RMSNorm
 from ..model.norm import rms_norm as rms_norm_stock
-from ..model.params import FP8_DTYPE
 from ..parallel.collectives import reduce_output
-from ..parallel.layers import RowParallelLinear
+from ..parallel.layers import Linear, RowParallelLinear
 from .copies import Fp16Copies
 
 KDA_GROUP = ("q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj", "g_a_proj")
@@ -69,10 +70,8 @@ class SingleLaunch:
         self.copies = copies
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        from ..kernels.linear import skinny_linear
-
         x16 = None if self.copies is None else self.copies.get(x)
-        y = skinny_linear(x, self.linear.weight, self.linear.weight_scale_inv, x16=x16)
+        y = linear_kernels.skinny_linear(x, self.linear.weight, self.linear.weight_scale_inv, x16=x16)
         m = self.linear
         return reduce_output(y, m.tp) if isinstance(m, RowParallelLinear) and m.reduce else y
 
@@ -102,12 +101,10 @@ class NormKernel:
         return out
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        from ..kernels.producers import rms_norm
-
         if not _rows(x):
             return rms_norm_stock(x, self.norm.weight, self.norm.eps)
         out16 = self.copy_for(x)
-        return self.filed(rms_norm(x, self.norm.weight, self.norm.eps, out16), out16)
+        return self.filed(producers.rms_norm(x, self.norm.weight, self.norm.eps, out16), out16)
 
 
 class CastKernel:
@@ -119,12 +116,10 @@ class CastKernel:
         self.copies = copies
 
     def __call__(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        from ..kernels.producers import cast
-
         if x.dim() not in (2, 3) or dtype != torch.bfloat16:
             return x.to(dtype)
         out16 = torch.empty(x.shape[0], math.prod(x.shape[1:]), dtype=torch.float16, device=x.device)
-        out = cast(x, dtype, out16)
+        out = producers.cast(x, dtype, out16)
         self.copies.put(out, out16)
         return out.view(x.shape)
 
@@ -138,10 +133,8 @@ class GroupLaunch:
         self.projections = [(m.weight, m.weight_scale_inv) for m in members]
 
     def __call__(self, x: torch.Tensor, early: bool = False) -> list[torch.Tensor]:
-        from ..kernels.linear import skinny_linear_multi
-
         x16 = None if self.copies is None else self.copies.get(x)
-        return skinny_linear_multi(x, self.projections, pdl=True if early else None, x16=x16)
+        return linear_kernels.skinny_linear_multi(x, self.projections, pdl=True if early else None, x16=x16)
 
 
 class ProjectionStage:
@@ -199,10 +192,8 @@ class ProjectionStage:
 
     def _reads_x16(self, attn, name: str, tokens: int) -> bool:
         """Whether the launch of `attn`'s projection `name` reads an fp16 copy of its input at this token count."""
-        from ..kernels.linear import reads_x16
-
         launch = self.launches[attn.layer_idx].get(name)
-        return launch is not None and reads_x16(tokens, [launch.linear.weight], self.dtype)
+        return launch is not None and linear_kernels.reads_x16(tokens, [launch.linear.weight], self.dtype)
 
     def dsa(self, attn, x: torch.Tensor, tokens: int) -> DsaProjections:
         """`attn.project(x)` (a DSA layer's) on the kernels, in its order: the group (or q_a), the q_a norm
@@ -237,11 +228,9 @@ class ProjectionStage:
     def reads_x16(self, layer, tokens: int) -> bool:
         """Whether a launch of `layer`'s projection group (or with "single", of one of its members) at this
         token count reads an fp16 copy of its input."""
-        from ..kernels.linear import reads_x16
-
         stage, group = self.grouped_layers.get(layer.layer_idx, (None, None))
         choice = None if stage is None else self.policy(stage, tokens)
         weights = [] if group is None else [w for w, _ in group.projections]
         if choice in GROUPED:
-            return reads_x16(tokens, weights, self.dtype)
-        return choice == "single" and any(reads_x16(tokens, [w], self.dtype) for w in weights)
+            return linear_kernels.reads_x16(tokens, weights, self.dtype)
+        return choice == "single" and any(linear_kernels.reads_x16(tokens, [w], self.dtype) for w in weights)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..model.linear import Linear
+from ..kernels import linear as linear_kernels
+from ..parallel.layers import Linear
 
 CHOICES = {"gemv": dict(split_k=1), "splitk": dict(split_k=None)}
 """Launch variants: one pass over K per output tile, or the kernel's split-K heuristic."""
@@ -17,6 +18,4 @@ class LogitsStage:
         self.weight = lm_head.weight
 
     def __call__(self, hidden: torch.Tensor, choice: str) -> torch.Tensor:
-        from ..kernels.linear import skinny_linear
-
-        return skinny_linear(hidden, self.weight, None, **CHOICES[choice]).float()
+        return linear_kernels.skinny_linear(hidden, self.weight, None, **CHOICES[choice]).float()

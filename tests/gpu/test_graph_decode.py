@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from glm5next.model.backbone import Glm5NextModel
-from glm5next.runtime.cache import ModelCache
+from glm5next.runtime.cache import allocate_cache
 from glm5next.runtime.runner import DEFAULT_CAPTURE_SIZES, Runner, Sequence
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -17,7 +17,7 @@ NUM_SEQS = 64
 def captured(tiny_dir, request):
     """A runner with every default size captured, over 64 prefilled sequences."""
     model = Glm5NextModel.from_pretrained(tiny_dir, request.param, "cuda", progress=False)
-    cache = ModelCache(model.config, NUM_SEQS * 8, 16, NUM_SEQS, request.param, "cuda", include_mtp=False)
+    cache = allocate_cache(model.config, NUM_SEQS * 8, 16, NUM_SEQS, request.param, "cuda", include_mtp=False)
     runner = Runner(model, cache, max_model_len=128)
     runner.capture()
     g = torch.Generator().manual_seed(0)

@@ -8,7 +8,7 @@ import torch
 
 from glm5next.model.backbone import Glm5NextModel
 from glm5next.model.mhc import hc_post
-from glm5next.runtime.cache import ModelCache
+from glm5next.runtime.cache import allocate_cache
 from glm5next.runtime.runner import DEFAULT_CAPTURE_SIZES, Runner, Sequence
 from glm5next.specialized_decode import STAGES, Policy, SpecializedDecode
 
@@ -76,7 +76,7 @@ def test_stages_equal_stock_in_bf16(model, m):
 
 def prefilled(model, n, executor=None, capture_sizes=None):
     dtype = model.embed_tokens.dtype
-    cache = ModelCache(model.config, 64 * 24, 16, 64, dtype, "cuda", include_mtp=False)
+    cache = allocate_cache(model.config, 64 * 24, 16, 64, dtype, "cuda", include_mtp=False)
     sizes = {} if capture_sizes is None else {"capture_sizes": capture_sizes}
     runner = Runner(model, cache, max_model_len=384, executor=executor, **sizes)
     if executor is not None:

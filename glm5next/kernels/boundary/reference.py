@@ -1,16 +1,37 @@
 """PyTorch references of the fused mHC boundary: the stock module's numerics, fp32 math.
 
 Same signatures as the kernels in `glm5next.kernels.boundary` (without the buffer and tuning
-arguments). They call the stock `hc_post`, `hc_expand`, `hc_contract` and `rms_norm`; the
-mixer weights mirror `HyperConnection.weights` line by line with `post_mult` made explicit.
+arguments). Self-contained PyTorch: the stock `hc_post`, `hc_expand`, `hc_contract` and `rms_norm`
+are restated below (same numerics, no code shared with the model); the mixer weights mirror
+`HyperConnection.weights` line by line with `post_mult` made explicit.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ...model.mhc import hc_contract, hc_expand, hc_post
-from ...model.norm import rms_norm
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`weight * cast(x * rsqrt(mean(x^2) + eps))` over the last dimension: fp32 statistics, x's dtype out."""
+    x32 = x.float()
+    normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (weight * normed).to(x.dtype)
+
+
+def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """New streams [T, n, D]: `post[j] * out + sum_i comb[i, j] * streams[i]` in fp32, in streams' dtype."""
+    mixed = torch.einsum("tij,tid->tjd", comb, streams.float())
+    return (post.unsqueeze(-1) * out.float().unsqueeze(1) + mixed).to(streams.dtype)
+
+
+def hc_expand(embedded: torch.Tensor, n: int) -> torch.Tensor:
+    """Streams [T, n, D]: `n` copies of the embeddings [T, D]."""
+    return embedded.unsqueeze(1).expand(-1, n, -1).contiguous()
+
+
+def hc_contract(streams: torch.Tensor) -> torch.Tensor:
+    """The mean [T, D] of the streams [T, n, D]."""
+    return streams.mean(dim=1)
 
 
 def hc_weights(

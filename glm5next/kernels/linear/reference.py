@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...model.params import FP8_DTYPE, dequantize_fp8
+from ...checkpoint.fp8 import FP8_DTYPE, dequantize_fp8
 
 
 def _dense(weight: torch.Tensor, scale_inv: torch.Tensor | None) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""How model modules declare the checkpoint tensors they hold.
+"""How modules declare the checkpoint tensors they hold, and which part of each a tensor-parallel rank holds.
 
 Modules are built on the meta device; each declares, per checkpoint tensor
 name, the shape it expects and how to install the loaded tensor. The loader
@@ -13,12 +13,25 @@ from typing import Callable
 
 import torch
 
-from ..parallel.group import Shard
 
-FP8_DTYPE = torch.float8_e4m3fn
-"""Storage dtype of FP8 block-quantized weights."""
-FP8_BLOCK = 128
-"""Side of the square weight block that shares one FP8 scale."""
+@dataclass(frozen=True)
+class Shard:
+    """Part `rank` of `size` equal parts of a checkpoint tensor along dimension `dim`."""
+
+    dim: int
+    rank: int
+    size: int
+
+    def bounds(self, full: int) -> tuple[int, int]:
+        """The [start, stop) range of this part along a dimension of `full` entries."""
+        step = full // self.size
+        return self.rank * step, (self.rank + 1) * step
+
+    def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of this part of a tensor of `shape`."""
+        out = list(shape)
+        out[self.dim] //= self.size
+        return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -40,20 +53,6 @@ class TensorSpec:
     def local_shape(self) -> tuple[int, ...]:
         """The shape of what `install` receives."""
         return self.shard.local_shape(self.shape) if self.shard is not None else tuple(self.shape)
-
-
-def scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Shape of the block-scale grid of an FP8 weight of `shape` (last two dims blocked)."""
-    *lead, rows, cols = shape
-    return (*lead, -(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK))
-
-
-def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`weight` [..., out, in] FP8 times its block scales [..., ceil(out/128), ceil(in/128)], as `dtype`."""
-    rows, cols = weight.shape[-2:]
-    s = scale_inv.float().repeat_interleave(FP8_BLOCK, dim=-2).repeat_interleave(FP8_BLOCK, dim=-1)
-    s = s[..., :rows, :cols]
-    return (weight.float() * s).to(dtype)
 
 
 def set_param(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:

@@ -1,0 +1,92 @@
+"""The engine's arguments, in one place: the keywords of `LLM`, `LLMEngine` and `AsyncLLM.from_args`, and the
+command-line options of `generate`, `demo` and `serve`, which are generated from the same fields."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+
+from ..model.backbone import Glm5NextModel
+from .runner import DEFAULT_CAPTURE_SIZES
+
+
+def _option(help: str, flag: str | None = None, **argparse_kwargs) -> dict:
+    """Field metadata making a field a command-line option: its help, its flag when not `--field-name`,
+    and further `ArgumentParser.add_argument` keywords."""
+    return {"help": help, "flag": flag, "argparse": argparse_kwargs}
+
+
+def _capture_sizes(text: str) -> tuple[int, ...]:
+    """The sizes of `--cuda-graph-sizes`, e.g. "1,2,4,8"."""
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--cuda-graph-sizes={text!r}: give integers separated by commas") from None
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """How to build an engine: the checkpoint, its dtype and device, the cache and batch sizes, CUDA graphs,
+    the decode backend, speculative decoding and tensor parallelism."""
+
+    model: str | Glm5NextModel
+    """The checkpoint folder, or an already built backbone (its dtype and device are kept)."""
+    dtype: str = field(default="bfloat16", metadata=_option("", choices=["bfloat16", "float32"]))
+    device: str | None = field(default=None, metadata=_option("cuda or cpu (default: cuda when available)"))
+    max_model_len: int | None = field(default=None, metadata=_option("context length (default: the model's)",
+                                                                     type=int))
+    max_num_seqs: int = field(default=64, metadata=_option("requests running at once", type=int))
+    max_num_batched_tokens: int = field(default=2048, metadata=_option("tokens per step (prefill chunking)",
+                                                                       type=int))
+    block_size: int = field(default=16, metadata=_option("tokens per paged cache block", type=int))
+    num_blocks: int | None = field(default=None, metadata=_option(
+        "paged cache blocks (default: from the memory budget)", type=int))
+    gpu_memory_utilization: float = field(default=0.9, metadata=_option("fraction of GPU memory to use", type=float))
+    enforce_eager: bool = field(default=False, metadata=_option("never replay CUDA graphs", action="store_true"))
+    capture_sizes: tuple[int, ...] = field(default=DEFAULT_CAPTURE_SIZES, metadata=_option(
+        "decode sizes to capture, e.g. 1,2,4,8 (default: 1..64)", flag="--cuda-graph-sizes",
+        metavar="CUDA_GRAPH_SIZES"))
+    decode_backend: str = field(default="auto", metadata=_option(
+        "captured decode steps: auto (default: the specialized executor on one GPU for which a measured policy "
+        "ships, else stock), the specialized executor, or the stock forward", choices=["auto", "specialized", "stock"]))
+    policy: str | None = field(default=None, metadata=_option("a policy JSON written by `glm5next tune-policy`"))
+    speculative_config: str | dict | None = field(default=None, metadata=_option(
+        'MTP speculative decoding, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\''))
+    tensor_parallel_size: int = field(default=1, metadata=_option(
+        "processes (one per GPU) the model is split over; started under torchrun when not already launched by it",
+        type=int, aliases=["-tp"]))
+    seed: int = 0
+    """Seeds the engine's per-request random streams when a request gives no seed."""
+    progress: bool = True
+    """Whether loading shows a progress bar."""
+
+    @classmethod
+    def of(cls, model: str | Glm5NextModel | EngineArgs, **kwargs) -> EngineArgs:
+        """`model` itself when it is already engine arguments (with `kwargs` replaced), else new arguments."""
+        if isinstance(model, EngineArgs):
+            return dataclasses.replace(model, **kwargs) if kwargs else model
+        return cls(model, **kwargs)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """Register the engine options (every field with option metadata) on `parser`."""
+        for f in dataclasses.fields(cls):
+            if "help" not in f.metadata:
+                continue
+            kw = dict(f.metadata["argparse"])
+            names = [f.metadata["flag"] or "--" + f.name.replace("_", "-"), *kw.pop("aliases", [])]
+            default = None if f.name == "capture_sizes" else f.default  # absent: the engine's default sizes
+            parser.add_argument(*names, dest=f.name, default=default, help=f.metadata["help"] or None, **kw)
+
+    @classmethod
+    def from_cli(cls, args: argparse.Namespace, **kwargs) -> EngineArgs:
+        """The arguments the parsed engine options of `add_cli_args` give, with `kwargs` (`model`, and whatever
+        the command sets itself) added."""
+        options = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if "help" in f.metadata}
+        if options["capture_sizes"]:
+            options["capture_sizes"] = _capture_sizes(options["capture_sizes"])
+        else:
+            del options["capture_sizes"]
+        kwargs.setdefault("model", args.model)
+        return cls(**options, **kwargs)
