@@ -9,7 +9,7 @@ grouped experts path does). Every time is the median of CUDA-graph replays, each
 layer over `--rotate` different inputs so routing varies between calls. Accuracy: the stage's and the
 stock module's bf16 outputs against the fp32 reference, relative to its largest value.
 
-    python benchmarks/moe_stage.py [--tokens 1,2,4,8,16,32,64] [--variants] [--out moe.json]
+    python benchmarks/moe_stage.py [--tokens 1,2,4,8,16,32,64] [--variants] [--profile] [--out moe.json]
     python benchmarks/moe_stage.py --table-from moe.json --policy FILE   # the measured `moe` table into FILE
 
 The table: "grouped" at every token count where the stage beat the stock module in that run, "stock"
@@ -31,6 +31,7 @@ from glm5next.config import ROUTER_NORM_EPS
 from glm5next.kernels.moe import ExpertWeights, moe_forward, moe_reference, plan_moe, route
 from glm5next.model.mlp import clamped_swiglu
 from glm5next.checkpoint.fp8 import dequantize_fp8
+from profile_step import profile_graph
 
 VARIANTS = {
     "block_m": [16, 32, 64],
@@ -108,6 +109,7 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64")
     ap.add_argument("--rotate", type=int, default=4, help="different inputs per graph")
     ap.add_argument("--variants", action="store_true", help="time single-field plan variants too")
+    ap.add_argument("--profile", action="store_true", help="the stage's kernels one by one (torch.profiler)")
     ap.add_argument("--no-peer", action="store_true", help="skip the grouped_mm peer (14.5 GB of bf16 copies)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--small", action="store_true", help="the slice's small widths (a dry run of this script)")
@@ -154,6 +156,13 @@ def main() -> None:
                "plan": plan.describe()}
         row["stage_us"] = median_us(stage, args.rotate)
         row["stage_bw_fraction"] = floor_us / row["stage_us"]
+        if args.profile:
+            graph = capture(stage)
+            row["stage_kernels"] = {name: v["us"] / args.rotate
+                                    for name, v in profile_graph(graph)["top_kernels"].items()}
+            del graph
+            log(f"M={m} stage kernels (us per layer): " + ", ".join(
+                f"{name.split('_kernel')[0]} {us:.1f}" for name, us in row["stage_kernels"].items()))
         row["stock_us"] = median_us(lambda: [moe(x, graph_safe=True) for x in xs], args.rotate)
         if peer is not None:
             try:

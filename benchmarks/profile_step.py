@@ -34,6 +34,7 @@ FAMILIES = [
     ("copy / dequantize", r"copy|CatArrayBatched|to_copy|direct_copy|unrolled_elementwise"),
     ("sort / top-k / index", r"sort|topk|Sort|radix|index|gather|scatter|nonzero|cumsum|bitonic"),
     ("elementwise / reduce", r"elementwise|reduce|Reduce|softmax|norm"),
+    ("kda (ours)", r"kda_decode"),
 ]
 
 

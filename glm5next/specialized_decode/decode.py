@@ -8,10 +8,11 @@ stage object itself, or the stock module where the policy says stock at this tok
 
 - between sublayers, the fused mHC boundary (`BoundaryStage`) or the stock post, pre and norm;
 - the attention sublayer: where the projection stage runs (`ProjectionStage`), its projections
-  (`kda` / `dsa`, returning what the stock `project` piece returns), then the stock middle piece
-  (`KimiDeltaAttention.mix`: conv, gates, recurrence, norm; `SparseMLA.attention`: cache writes,
-  indexer, sparse attention), then its o_proj (`kda_output` / `dsa_output`, the DSA values' cast
-  included); else the stock sublayer;
+  (`kda` / `dsa`, returning what the stock `project` piece returns), else the stock `project`; then
+  the middle piece: in a KDA layer the KDA stage (`KdaStage`: conv, gates, recurrence, norm in one
+  launch) or the stock `KimiDeltaAttention.mix`, in a DSA layer the stock `SparseMLA.attention`
+  (cache writes, indexer, sparse attention); then the o_proj (`kda_output` / `dsa_output`, the DSA
+  values' cast included, or the stock one); where no stage runs any piece, the stock sublayer;
 - the FFN: the MoE stage (router, routed and shared experts), the dense MLP stage, or the shared
   expert stage added to the stock router and routed experts (`MoE.routed_experts`); else the
   stock module.
@@ -43,6 +44,7 @@ from ..parallel.collectives import all_gather, all_reduce, partial_outputs, redu
 from .boundary import BoundaryStage
 from .copies import Fp16Copies
 from .dense_mlp import DenseMlpStage
+from .kda import KdaStage
 from .linear import ProjectionStage
 from .logits import LogitsStage
 from .moe import MoeStage
@@ -109,6 +111,10 @@ class LayerStages:
                 logger.warning("specialized decode: mixed norm eps %s, no fused boundary", sorted(eps))
                 self.boundary_stage = None
         self.projections = ProjectionStage(layers, self.policy, self.backbone.embed_tokens.dtype, self.copies)
+        self.kda = {}
+        if self.policy.enabled("kda"):
+            self.kda = {layer.layer_idx: KdaStage(layer.self_attn) for layer in layers
+                        if layer.layer_kind == KDA and KdaStage.supports(layer.self_attn)}
         self.dense = {}
         if self.policy.enabled("dense_mlp"):
             self.dense = {layer.layer_idx: DenseMlpStage(layer.mlp, self.copies) for layer in layers
@@ -168,13 +174,20 @@ class LayerStages:
         middle piece and the o_proj stage where the policy runs the projections, else the stock sublayer."""
         tokens = x.shape[0]
         partial = self.partial(tokens)
+        attn, md = layer.self_attn, step.ctx.metadata(layer.self_attn.prefix)
+        projections = self.projections.runs(layer, tokens)
         with partial_outputs() if partial else nullcontext():
-            if not self.projections.runs(layer, tokens):
-                return layer.attention(x, step.ctx, step.cache), partial
-            attn, md = layer.self_attn, step.ctx.metadata(layer.self_attn.prefix)
             if layer.layer_kind == KDA:
-                y = attn.mix(self.projections.kda(attn, x, tokens), md, step.cache.kda[layer.layer_idx])
-                return self.projections.kda_output(attn, y, tokens), partial
+                mix = self.kda.get(layer.layer_idx) if self.policy("kda", tokens) else None
+                mix = mix if mix is not None and mix.runs(md) else None
+                if not projections and mix is None:
+                    return layer.attention(x, step.ctx, step.cache), partial
+                state = step.cache.kda[layer.layer_idx]
+                p = self.projections.kda(attn, x, tokens) if projections else attn.project(x)
+                y = mix(p, md, state) if mix is not None else attn.mix(p, md, state)
+                return (self.projections.kda_output(attn, y, tokens) if projections else attn.o_proj(y)), partial
+            if not projections:
+                return layer.attention(x, step.ctx, step.cache), partial
             return self.dsa_attention(attn, x, md, step.cache.dsa[layer.layer_idx])[0], partial
 
     def dsa_attention(self, attn, x: torch.Tensor, md: AttnMetadata, cache, selection=None,

@@ -13,6 +13,7 @@ import torch
 from ..checkpoint.inventory import expected_tensors
 from ..config import DSA, KDA, Glm5NextConfig
 from ..kernels import boundary as boundary_kernels
+from ..kernels.kda import plan_kda
 from ..kernels.linear import plan_launch
 from ..kernels.moe import plan_moe
 from ..model.backbone import Glm5NextModel
@@ -88,6 +89,13 @@ def stage_launches(w: dict, config: Glm5NextConfig, stage: str, choice: str, T: 
         return [_linear("gate|up+swiglu", T, [member(prefix, "gate_proj")], sms, gated=True,
                         pdl="late" if overlap else None),
                 _linear("down_proj", T, [member(prefix, "down_proj")], sms, pdl=True if overlap else None)]
+    if stage == "kda":
+        if KDA not in kinds:
+            return []
+        h, d = config.linear_num_heads, config.linear_head_dim
+        p = plan_kda(T, h, d, sms)
+        return [dict(launch="kda_decode", grid=(T, h, d // p.block_v), block_v=p.block_v, warps=p.num_warps,
+                     per_row="conv, gates, delta rule, gated norm; the head's last program normalises it")]
     if stage == "moe":
         if not any(config.moe_layers):
             return []

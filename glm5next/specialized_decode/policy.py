@@ -27,6 +27,7 @@ STOCK = "stock"
 STAGES: dict[str, tuple[str, ...]] = {
     "boundary": ("fused", "fused-deferred"),
     "kda_proj": ("grouped", "grouped-early", "grouped-overlap", "single"),
+    "kda": ("fused",),
     "dsa_proj": ("grouped", "grouped-early", "grouped-overlap", "single"),
     "dense_mlp": ("fused", "fused-overlap"),
     "shared_expert": ("fused", "fused-overlap"),

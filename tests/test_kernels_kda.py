@@ -1,0 +1,163 @@
+"""The KDA decode kernel against its fp32 reference and the stock module: decode and multi-token steps
+that write state, verify steps that fill the commit's scratch and leave the state, padded rows, odd
+head counts and widths, every value-block split, NaN-filled outputs. CPU cases run the Triton
+interpreter in fp32; GPU cases (marked `gpu`) run real shapes in bf16."""
+
+import pytest
+import torch
+
+from glm5next.config import KDA_L2_EPS
+from glm5next.forward import AttnMetadata, KdaState
+from glm5next.kernels.kda import KdaWeights, kda_decode, kda_decode_reference, plan_kda
+from glm5next.model.kda import KdaProjections
+from glm5next.runtime.kda_commit import commit
+from glm5next.specialized_decode.kda import KdaStage
+
+CUDA = torch.cuda.is_available()
+
+
+def random_weights(h, d, keep, device="cpu", seed=0) -> KdaWeights:
+    g = torch.Generator(device=device).manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, device=device)  # noqa: E731
+    return KdaWeights(r(3 * h * d, keep + 1) * 0.5, r(h) * 0.3, r(h * d) * 0.5,
+                      torch.rand(d, generator=g, device=device) + 0.5, h, d, -5.0, 1e-5, KDA_L2_EPS)
+
+
+def random_step(tokens, h, d, dtype=torch.float32, device="cpu", seed=1):
+    g = torch.Generator(device=device).manual_seed(seed)
+    widths = (h * d, h * d, h * d, h, h * d, h * d)
+    return [torch.randn(tokens, n, generator=g, device=device).to(dtype) for n in widths]
+
+
+def random_cache(slots, h, d, keep, qmax=0, dtype=torch.float32, device="cpu", seed=2):
+    g = torch.Generator(device=device).manual_seed(seed)
+    conv = torch.randn(slots, 3 * h * d, keep, generator=g, device=device).to(dtype)
+    state = torch.randn(slots, h, d, d, generator=g, device=device) * 0.1
+    verify = None
+    if qmax:
+        f32 = dict(dtype=torch.float32, device=device)
+        verify = {"window": torch.full((slots, 3 * h * d, keep + qmax), float("nan"), dtype=dtype, device=device),
+                  "k": torch.zeros(slots, qmax, h, d, **f32), "g": torch.zeros(slots, qmax, h, d, **f32),
+                  "v": torch.zeros(slots, qmax, h, d, **f32), "beta": torch.zeros(slots, qmax, h, **f32)}
+    return conv, state, verify
+
+
+def rel(got, want):
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("h,d,keep,q,rows,block_v", [
+    (3, 16, 3, 1, 3, 16), (3, 16, 3, 1, 3, 4), (5, 32, 2, 1, 2, 8),  # decode, odd heads, conv kernel 3
+    (3, 16, 3, 3, 2, 8), (2, 16, 3, 5, 1, 16),  # several tokens a row, written (fewer and more than the window)
+])
+def test_kernel_matches_reference_writing_state(h, d, keep, q, rows, block_v):
+    w = random_weights(h, d, keep)
+    p = random_step(rows * q, h, d)
+    conv, state, _ = random_cache(6, h, d, keep)
+    index = torch.tensor([4, -1, 1][:rows]) if rows > 1 else torch.tensor([2])
+    c_want, s_want = conv.clone(), state.clone()
+    want = kda_decode_reference(*p, c_want, s_want, index, w, q)
+    out = torch.full_like(want, float("nan"))
+    got = kda_decode(*p, conv, state, index, w, q, plan_kda(rows, h, d, 8, block_v), out=out)
+    assert got is out and not got.isnan().any()
+    assert rel(got, want) < 1e-5
+    assert rel(state, s_want) < 1e-5 and torch.equal(conv, c_want)
+    pad = [r for r in range(rows) if index[r] < 0]
+    for r in pad:
+        assert not got[r * q:(r + 1) * q].any()
+    untouched = [s for s in range(6) if s not in index.tolist()]
+    _, s0, _ = random_cache(6, h, d, keep)
+    assert torch.equal(state[untouched], s0[untouched])
+
+
+def test_kernel_matches_stock_module(tiny_fp32):
+    """The stage ≡ `KimiDeltaAttention.mix` on the small model's first KDA layer: a decode step with a
+    padded row, outputs and both caches."""
+    attn = tiny_fp32.layers[0].self_attn
+    h, d, keep = attn.num_heads, attn.head_dim, attn.conv_kernel - 1
+    p = KdaProjections(*random_step(3, h, d, seed=5))
+    conv, state, _ = random_cache(5, h, d, keep, seed=6)
+    index = torch.tensor([2, -1, 0])
+    z = torch.zeros(3, dtype=torch.int64)
+    md = AttnMetadata(0, 0, 3, 3, z, z, z, index, torch.zeros(3, 1, dtype=torch.int64), z + 1)
+    stock = KdaState(conv.clone(), state.clone())
+    want = attn.mix(p, md, stock)
+    mine = KdaState(conv.clone(), state.clone())
+    got = KdaStage(attn)(p, md, mine)
+    live = [0, 2]
+    assert rel(got[live], want[live]) < 1e-4
+    for s in (0, 2):
+        assert rel(mine.recurrent[s], stock.recurrent[s]) < 1e-5 and torch.allclose(mine.conv[s], stock.conv[s])
+    # the padded row touched nothing (stock sends it to the scratch slot, 4)
+    assert torch.equal(mine.recurrent[[1, 3, 4]], state[[1, 3, 4]])
+
+
+@pytest.mark.parametrize("block_v", [16, 8])
+def test_verify_then_commit_equals_decoding_the_accepted_tokens(block_v):
+    """A verify step fills the scratch exactly as the reference and leaves the caches; the runtime's commit
+    over n accepted tokens then gives the caches of decoding those n tokens (kernel, one at a time)."""
+    h, d, keep, q, rows = 3, 16, 3, 4, 2
+    w = random_weights(h, d, keep, seed=3)
+    p = random_step(rows * q, h, d, seed=4)
+    conv, state, verify = random_cache(5, h, d, keep, qmax=6)
+    index = torch.tensor([3, 0])
+    c0, s0 = conv.clone(), state.clone()
+    v_want = {k: v.clone() for k, v in verify.items()}
+    want = kda_decode_reference(*p, conv.clone(), state.clone(), index, w, q, v_want)
+    out = torch.full_like(want, float("nan"))
+    got = kda_decode(*p, conv, state, index, w, q, plan_kda(rows, h, d, 8, block_v), verify, out=out)
+    assert rel(got, want) < 1e-5
+    assert torch.equal(conv, c0) and torch.equal(state, s0)
+    for name in v_want:
+        a, b = verify[name], v_want[name]
+        assert torch.equal(a.isnan(), b.isnan()) and rel(a.nan_to_num(), b.nan_to_num()) < 1e-5, name
+    accepted = [2, 4]
+    commit(KdaState(conv, state, verify), index.tolist(), accepted)
+    for r, n in enumerate(accepted):
+        slot = int(index[r])
+        c1, s1 = c0.clone(), s0.clone()
+        for j in range(n):
+            tok = r * q + j
+            kda_decode(*(x[tok:tok + 1] for x in p), c1, s1, index[r:r + 1], w, 1, plan_kda(1, h, d, 8, block_v))
+        assert torch.allclose(conv[slot], c1[slot]), r
+        assert rel(state[slot], s1[slot]) < 1e-5, r
+
+
+def test_bad_shapes_are_refused():
+    h, d, keep = 2, 16, 3
+    w = random_weights(h, d, keep)
+    p = random_step(3, h, d)
+    conv, state, _ = random_cache(4, h, d, keep)
+    with pytest.raises(ValueError, match="whole rows"):
+        kda_decode(*p, conv, state, torch.tensor([0]), w, 2, plan_kda(1, h, d, 8))
+    with pytest.raises(ValueError, match="state indices"):
+        kda_decode(*p, conv, state, torch.tensor([0, 1]), w, 1, plan_kda(3, h, d, 8))
+    with pytest.raises(ValueError, match="block_v"):
+        plan_kda(1, h, d, 8, block_v=12)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+@pytest.mark.parametrize("rows,q", [(1, 1), (7, 1), (64, 1), (3, 4)])
+def test_real_shapes_bf16_against_fp32(rows, q):
+    h, d, keep = 64, 128, 3
+    dev = "cuda"
+    w = random_weights(h, d, keep, device=dev)
+    p = random_step(rows * q, h, d, torch.bfloat16, dev)
+    conv, state, verify = random_cache(rows + 3, h, d, keep, qmax=q if q > 1 else 0, dtype=torch.bfloat16, device=dev)
+    index = torch.randperm(rows + 3, device=dev)[:rows]
+    c_want, s_want = conv.float(), state.clone()
+    v_want = {k: v.float() for k, v in verify.items()} if verify else None
+    want = kda_decode_reference(*(x.float() for x in p), c_want, s_want, index, w, q, v_want)
+    out = torch.full((rows * q, h * d), float("nan"), dtype=torch.bfloat16, device=dev)
+    for bv in (128, 64, 32, 16):
+        c, s = conv.clone(), state.clone()
+        got = kda_decode(*p, c, s, index, w, q, plan_kda(rows, h, d, 132, bv), verify, out=out)
+        torch.cuda.synchronize()
+        assert rel(got, want) < 2e-2, bv
+        if q == 1:
+            assert rel(s[index], s_want[index]) < 2e-2, bv
+            assert torch.equal(c[index], c_want[index].to(torch.bfloat16)), bv
+        else:
+            assert torch.equal(s, state) and torch.equal(c, conv)
+            assert rel(verify["k"][index, :q], v_want["k"][index, :q]) < 2e-2
