@@ -8,7 +8,7 @@ import torch
 
 from glm5next.config import KDA_L2_EPS
 from glm5next.forward import AttnMetadata, KdaState
-from glm5next.kernels.kda import KdaWeights, kda_decode, kda_decode_reference, plan_kda
+from glm5next.kernels.kda import KdaWeights, kda_commit, kda_decode, kda_decode_reference, plan_kda
 from glm5next.model.kda import KdaProjections
 from glm5next.runtime.kda_commit import commit
 from glm5next.specialized_decode.kda import KdaStage
@@ -112,15 +112,24 @@ def test_verify_then_commit_equals_decoding_the_accepted_tokens(block_v):
         a, b = verify[name], v_want[name]
         assert torch.equal(a.isnan(), b.isnan()) and rel(a.nan_to_num(), b.nan_to_num()) < 1e-5, name
     accepted = [2, 4]
-    commit(KdaState(conv, state, verify), index.tolist(), accepted)
+    decoded = []  # each row's caches after decoding its accepted tokens one at a time on the kernel
     for r, n in enumerate(accepted):
-        slot = int(index[r])
         c1, s1 = c0.clone(), s0.clone()
         for j in range(n):
             tok = r * q + j
             kda_decode(*(x[tok:tok + 1] for x in p), c1, s1, index[r:r + 1], w, 1, plan_kda(1, h, d, 8, block_v))
-        assert torch.allclose(conv[slot], c1[slot]), r
-        assert rel(state[slot], s1[slot]) < 1e-5, r
+        decoded.append((c1[int(index[r])], s1[int(index[r])]))
+    # The commit kernel: bit for bit the decode's caches (rows with 0 accepted stay as they were).
+    c2, s2 = conv.clone(), state.clone()
+    kda_commit(c2, s2, verify, torch.tensor([3, 0, 2]), torch.tensor(accepted + [0]), block_v)
+    # The runtime's PyTorch commit (host lists): the same within fp32 rounding.
+    commit(KdaState(conv, state, verify), index.tolist(), accepted)
+    assert torch.equal(c2[2], c0[2]) and torch.equal(s2[2], s0[2])
+    for r, (c1, s1) in enumerate(decoded):
+        slot = int(index[r])
+        assert torch.equal(c2[slot], c1) and torch.equal(s2[slot], s1), r
+        assert torch.equal(conv[slot], c1), r
+        assert rel(state[slot], s1) < 1e-5, r
 
 
 def test_bad_shapes_are_refused():
@@ -161,3 +170,43 @@ def test_real_shapes_bf16_against_fp32(rows, q):
         else:
             assert torch.equal(s, state) and torch.equal(c, conv)
             assert rel(verify["k"][index, :q], v_want["k"][index, :q]) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+def test_graph_replays_and_commit_bit_for_bit():
+    """Captured decode steps replay like eager ones (the arrival counters are left at zero), and a verify
+    then a commit gives the state of decoding the accepted tokens, bit for bit, at real shapes."""
+    h, d, keep, rows, q = 64, 128, 3, 4, 3
+    dev = "cuda"
+    w = random_weights(h, d, keep, device=dev)
+    plan = plan_kda(rows, h, d, 132)
+    conv, state, verify = random_cache(rows + 2, h, d, keep, qmax=q, dtype=torch.bfloat16, device=dev)
+    index = torch.arange(rows, device=dev) + 1
+    steps = [random_step(rows, h, d, torch.bfloat16, dev, seed=10 + i) for i in range(3)]
+    c_eager, s_eager = conv.clone(), state.clone()
+    want = [kda_decode(*p, c_eager, s_eager, index, w, 1, plan).clone() for p in steps]
+    c, s = conv.clone(), state.clone()
+    live = [[x.clone() for x in steps[0]]]
+    out = torch.empty(rows, h * d, dtype=torch.bfloat16, device=dev)
+    kda_decode(*live[0], c.clone(), s.clone(), index, w, 1, plan, out=out)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kda_decode(*live[0], c, s, index, w, 1, plan, out=out)
+    for p, o in zip(steps, want):
+        for dst, src in zip(live[0], p):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, o)
+    assert torch.equal(s, s_eager) and torch.equal(c, c_eager)
+    # verify q tokens a row, commit 2 of them; against decoding those 2 one at a time
+    p = random_step(rows * q, h, d, torch.bfloat16, dev, seed=20)
+    c0, s0 = c.clone(), s.clone()
+    kda_decode(*p, c, s, index, w, q, plan_kda(rows, h, d, 132), verify)
+    accepted = torch.full((rows,), 2, device=dev)
+    kda_commit(c, s, verify, index, accepted, plan.block_v)
+    for j in range(2):
+        kda_decode(*(x.view(rows, q, -1)[:, j].contiguous() for x in p), c0, s0, index, w, 1, plan)
+    torch.cuda.synchronize()
+    assert torch.equal(s[index], s0[index]) and torch.equal(c[index], c0[index])

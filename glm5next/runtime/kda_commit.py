@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..forward import KdaState
+from ..kernels.kda import kda_commit
 from ..model.kda_recurrence import kda_step
 
 
@@ -32,8 +33,12 @@ def commit(state: KdaState, slots: list[int], accepted: list[int]) -> None:
 def commit_rows(state: KdaState, slots: torch.Tensor, accepted: torch.Tensor) -> None:
     """`commit` for device tensors, with fixed shapes and no host syncs (it runs inside a CUDA graph):
     `slots` [N] int64 (padding already redirected to the scratch slot), `accepted` [N] int64
-    tokens to advance over (0 leaves a row as it was)."""
+    tokens to advance over (0 leaves a row as it was). On a GPU, one kernel launch (`kernels.kda.kda_commit`:
+    the KDA stage's own arithmetic, so the state is the one its decode of those tokens writes)."""
     saved = state.verify
+    if state.recurrent.is_cuda:
+        kda_commit(state.conv, state.recurrent, saved, slots, accepted)
+        return
     keep = state.conv.shape[-1]
     window = saved["window"][slots]  # [N, 3HK, keep + q]
     cols = accepted[:, None] + torch.arange(keep, device=slots.device)

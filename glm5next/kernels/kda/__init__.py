@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .kernel import kda_decode_kernel
+from .kernel import kda_commit_kernel, kda_decode_kernel
 from .reference import kda_decode_reference
 
-__all__ = ["KdaPlan", "KdaScratch", "KdaWeights", "kda_decode", "kda_decode_reference", "plan_kda", "sm_count"]
+__all__ = ["KdaPlan", "KdaScratch", "KdaWeights", "kda_commit", "kda_decode", "kda_decode_reference", "plan_kda", "sm_count"]
 
 
 @dataclass(frozen=True)
@@ -141,3 +141,19 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: torch.Tenso
         Q=tokens_per_row, K=d, V=d, KEEP=keep, TAPS=triton.next_power_of_2(keep + 1), BLOCK_V=plan.block_v,
         VERIFY=verify is not None, num_warps=plan.num_warps)
     return out
+
+
+def kda_commit(conv: torch.Tensor, state: torch.Tensor, verify: dict[str, torch.Tensor], slots: torch.Tensor,
+               accepted: torch.Tensor, block_v: int | None = None) -> None:
+    """Advance each row's conv window and fp32 state over its first `accepted` verified tokens (0 leaves
+    the row as it is), from what `kda_decode`'s verify step left in `verify`; `slots` [rows] (no padding
+    left: every entry a slot). With the decode's `block_v`, the state is the one decoding the accepted
+    tokens one at a time writes, bit for bit. Static grid, no host sync."""
+    rows = slots.shape[0]
+    _, h, d, _ = state.shape
+    keep = conv.shape[-1]
+    win, vk = verify["window"], verify["k"]
+    block_v = block_v or plan_kda(rows, h, d, sm_count(state.device)).block_v
+    kda_commit_kernel[(rows, h, d // block_v)](
+        state, conv, slots, accepted, win, vk, verify["v"], verify["g"], verify["beta"], win.shape[-1], vk.shape[1],
+        h, K=d, V=d, KEEP=keep, TAPS=triton.next_power_of_2(keep), BLOCK_V=block_v, num_warps=4)

@@ -83,6 +83,16 @@ def _save_window(conv_base, win_base, s_win, pre_ptr, stride, chan, pch, row, Q:
 
 
 @triton.jit
+def _decay_write(s, kn, gk, beta, av):
+    """One delta-rule step of a state block s [K, BLOCK_V]: decay the key rows by exp(gk), then write
+    beta * (v - s^T k) at key kn. The decode and the commit kernels share it, so a commit reproduces the
+    decode's state bit for bit."""
+    s = s * tl.exp(gk)[:, None]
+    delta = beta * (av - tl.sum(s * kn[:, None], 0))
+    return s + kn[:, None] * delta[None, :]
+
+
+@triton.jit
 def kda_decode_kernel(
     q_ptr, k_ptr, v_ptr, b_ptr, f_ptr, g_ptr, sq, sk, sv, sb, sf, sg,
     conv_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, norm_w_ptr,
@@ -132,9 +142,7 @@ def kda_decode_kernel(
             gk = lower_bound * tl.sigmoid(rate * raw)
             beta = tl.sigmoid(tl.load(b_ptr + tok * sb + h).to(tl.float32)).to(dtype).to(tl.float32)
 
-            s = s * tl.exp(gk)[:, None]
-            delta = beta * (av - tl.sum(s * kn[:, None], 0))
-            s = s + kn[:, None] * delta[None, :]
+            s = _decay_write(s, kn, gk, beta, av)
             o = tl.sum(s * qn[:, None], 0).to(dtype)
             tl.store(out_ptr + tok * HV + h * V + vv, o)
             of = o.to(tl.float32)
@@ -180,3 +188,40 @@ def kda_decode_kernel(
                 _advance_window(conv_base, k_ptr, sk, ck, pk, row, Q, KEEP, TAPS)
                 _advance_window(conv_base, v_ptr, sv, 2 * HK + pv, pv, row, Q, KEEP, TAPS)
             tl.atomic_xchg(count_ptr + row * H + h, 0)
+
+
+@triton.jit
+def kda_commit_kernel(state_ptr, conv_ptr, slot_ptr, accepted_ptr, win_ptr, vk_ptr, vv_ptr, vg_ptr, vb_ptr, s_win, s_vq,
+                      H, K: tl.constexpr, V: tl.constexpr, KEEP: tl.constexpr, TAPS: tl.constexpr,
+                      BLOCK_V: tl.constexpr):
+    """Grid (rows, H, V // BLOCK_V): advance each row's state block over its first `accepted` verified
+    tokens from what the verify step left (unit k, the log-decay, v, beta: the decode kernel's own
+    values, through the same `_decay_write`), and its share of the conv window (the head's q and k
+    channels of block j, its v channels) to the window's columns accepted .. accepted + KEEP - 1."""
+    row = tl.program_id(0)
+    h = tl.program_id(1)
+    j = tl.program_id(2)
+    HK = H * K
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    n = tl.load(accepted_ptr + row).to(tl.int32)
+    if n > 0:
+        kk = tl.arange(0, K)
+        vv = j * BLOCK_V + tl.arange(0, BLOCK_V)
+        sp = state_ptr + slot * HK * V + h * K * V + kk[:, None] * V + vv[None, :]
+        s = tl.load(sp)
+        for t in range(n):
+            vbase = (slot * s_vq + t) * H + h
+            kn = tl.load(vk_ptr + vbase * K + kk)
+            gk = tl.load(vg_ptr + vbase * K + kk)
+            av = tl.load(vv_ptr + vbase * V + vv)
+            beta = tl.load(vb_ptr + vbase)
+            s = _decay_write(s, kn, gk, beta, av)
+        tl.store(sp, s)
+        keep = tl.arange(0, TAPS)
+        kmask = (keep < KEEP)[:, None]
+        mine = j * BLOCK_V + tl.arange(0, BLOCK_V)
+        for part in tl.static_range(3):
+            chan = part * HK + h * K + mine
+            x = tl.load(win_ptr + slot * (3 * HK) * s_win + chan[None, :] * s_win + (n + keep)[:, None], mask=kmask)
+            tl.store(conv_ptr + slot * (3 * HK) * KEEP + chan[None, :] * KEEP + keep[:, None], x.to(conv_ptr.dtype.element_ty),
+                     mask=kmask)
