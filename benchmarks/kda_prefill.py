@@ -66,8 +66,11 @@ def main() -> None:
         with torch.no_grad():
             p = attn.project(x)
             mixed = torch.cat([p.q, p.k, p.v], dim=-1)
-            act = torch.cat([attn.conv_silu(mixed[i * length:(i + 1) * length].t().unsqueeze(0).float(), x.dtype)[0].t()
-                             for i in range(n)])  # fresh prompts: zero history (the window is the chunk itself)
+            keep = attn.conv_kernel - 1
+            act = torch.cat([attn.conv_silu(torch.cat([mixed.new_zeros(1, mixed.shape[1], keep),
+                                                       mixed[i * length:(i + 1) * length].t().unsqueeze(0)], -1),
+                                            x.dtype)[0].t()
+                             for i in range(n)])  # fresh prompts: zero history
             q, k, v = attn.heads(act)  # [t, H, K] fp32
             g = attn.log_decay(p.f)
             beta = torch.sigmoid(p.b).float()

@@ -64,6 +64,7 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64", help="decode steps: rows of one token")
     ap.add_argument("--verify", default="2x4,4x4,16x4", help="verify steps: ROWSxQ")
     ap.add_argument("--block-v", default=None, help="also time these value blocks, e.g. 32,64,128")
+    ap.add_argument("--warps", default="4", help="with --block-v: these warp counts, e.g. 4,8")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -126,9 +127,10 @@ def main() -> None:
         if args.block_v:
             row["block_v"] = {}
             for bv in (int(x) for x in args.block_v.split(",")):
-                alt = plan_kda(rows, h, d, sm_count(dev), block_v=bv)
-                row["block_v"][bv] = median_us(lambda alt=alt: stage(alt), rotate)
-        if fla is not None:
+                for nw in (int(x) for x in args.warps.split(",")):
+                    alt = plan_kda(rows, h, d, sm_count(dev), block_v=bv, num_warps=nw)
+                    row["block_v"][f"{bv}/{nw}w"] = round(median_us(lambda alt=alt: stage(alt), rotate), 2)
+        if fla is not None and q == 1:  # (its verify form takes per-token state indices: not compared)
             try:
                 cu = torch.arange(0, t + 1, q, dtype=torch.int64, device=dev)
 

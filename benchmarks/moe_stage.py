@@ -34,11 +34,15 @@ from glm5next.checkpoint.fp8 import dequantize_fp8
 from profile_step import profile_graph
 
 VARIANTS = {
+    "router_split": [8, 32],
+    "router_block_e": [16, 64],
+    "router_block_k": [32, 128],
     "block_m": [16, 32, 64],
     "gate_up_block_n": [32, 64, 128],
     "down_block_n": [32, 64, 128],
     "num_stages": [2, 3, 5],
     "num_warps": [2, 8],
+    "half": [False],
 }
 """Single-field changes to the default plan that `--variants` times at every token count."""
 
@@ -109,6 +113,7 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64")
     ap.add_argument("--rotate", type=int, default=4, help="different inputs per graph")
     ap.add_argument("--variants", action="store_true", help="time single-field plan variants too")
+    ap.add_argument("--fields", default=",".join(VARIANTS), help="the plan fields --variants varies")
     ap.add_argument("--profile", action="store_true", help="the stage's kernels one by one (torch.profiler)")
     ap.add_argument("--no-peer", action="store_true", help="skip the grouped_mm peer (14.5 GB of bf16 copies)")
     ap.add_argument("--out", default=None)
@@ -177,6 +182,8 @@ def main() -> None:
         if args.variants:
             row["variants"] = {}
             for field, values in VARIANTS.items():
+                if field not in args.fields.split(","):
+                    continue
                 for v in values:
                     if getattr(plan, field) == v or (field == "block_m" and v > max(16, m)):
                         continue

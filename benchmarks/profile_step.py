@@ -27,7 +27,7 @@ from glm5next.runtime.runner import Runner
 from glm5next.specialized_decode import Policy, SpecializedDecode
 
 FAMILIES = [
-    ("moe (ours)", r"gate_up_kernel|down_kernel|combine_kernel|route_kernel|router_logits_kernel"),
+    ("moe (ours)", r"gate_up_kernel|down_kernel|combine_kernel|topk_kernel|group_kernel|router_logits_kernel"),
     ("boundary (ours)", r"boundary|sinkhorn"),
     ("projections (ours)", r"skinny|linear_kernel|gate_up_swiglu|_linear|rms_norm_pair|producer|norm_cast"),
     ("gemm (cuBLAS)", r"gemm|gemv|cutlass|sm90_xmma|nvjet|splitKreduce"),

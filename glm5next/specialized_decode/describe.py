@@ -104,7 +104,8 @@ def stage_launches(w: dict, config: Glm5NextConfig, stage: str, choice: str, T: 
         slots = -(-T // p.block_m) + min(T * k, e)
         return [dict(launch="router_logits", grid=(-(-e // p.router_block_e), p.router_split),
                      block=(p.block_t, p.router_block_e, p.router_block_k)),
-                dict(launch="route", grid=(1,), block_t=p.block_t, block_m=p.block_m),
+                dict(launch="topk", grid=(T,)),
+                dict(launch="group", grid=(1,), block_t=p.block_t, block_m=p.block_m),
                 dict(launch="gate|up+swiglu", grid=(slots, -(-inter // p.gate_up_block_n)),
                      block=(p.block_m, p.gate_up_block_n, p.block_k), stages=p.num_stages, warps=p.num_warps),
                 dict(launch="down", grid=(slots, -(-config.hidden_size // p.down_block_n)),

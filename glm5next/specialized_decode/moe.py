@@ -1,4 +1,4 @@
-"""The MoE stage: router, routed experts and the shared expert of one MoE layer in five launches
+"""The MoE stage: router, routed experts and the shared expert of one MoE layer in six launches
 (`glm5next.kernels.moe`), each expert's FP8 weights read once per step for all the rows routed to it.
 
 Choice: "grouped" (weights widened to 16 bits in registers against the bf16 activations, the stock

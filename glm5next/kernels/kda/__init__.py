@@ -52,17 +52,15 @@ class KdaPlan:
         return {"block_v": self.block_v, "num_warps": self.num_warps}
 
 
-def plan_kda(rows: int, heads: int, head_dim: int, sms: int, block_v: int | None = None) -> KdaPlan:
-    """Value columns per program on a GPU of `sms` SMs: the widest block that still gives every SM two
-    programs (a head's state is 64 KiB at head_dim 128, so one program per head leaves most SMs idle at a
-    few rows)."""
-    if block_v is None:
-        block_v = head_dim
-        while block_v > 16 and rows * heads * (head_dim // block_v) < 2 * sms:
-            block_v //= 2
+def plan_kda(rows: int, heads: int, head_dim: int, sms: int, block_v: int | None = None,
+             num_warps: int | None = None) -> KdaPlan:
+    """One program per (row, head) on a GPU of `sms` SMs: on the H100 (2026-12-06) the whole head in one
+    program beat every split of its value columns at 1-64 rows (a split pays a second round of memory
+    traffic for the norm; one row stays latency-bound either way). `block_v` / `num_warps` override."""
+    block_v = head_dim if block_v is None else block_v
     if head_dim % block_v or block_v & (block_v - 1):
         raise ValueError(f"block_v={block_v} must be a power of two dividing head_dim={head_dim}")
-    return KdaPlan(block_v)
+    return KdaPlan(block_v, num_warps or 4)
 
 
 def sm_count(device: torch.device | str) -> int:

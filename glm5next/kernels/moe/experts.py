@@ -32,10 +32,13 @@ def _offset(e, per_expert, shared_off):
 
 
 @triton.jit
-def _product(x, w, scale, F32: tl.constexpr):
-    """x [BM, BK] times the weight tile w [BN, BK] (transposed), scaled: [BM, BN] fp32."""
+def _product(x, w, scale, F32: tl.constexpr, HALF: tl.constexpr):
+    """x [BM, BK] times the weight tile w [BN, BK] (transposed), scaled: [BM, BN] fp32. HALF: both in
+    fp16 (e4m3 widens to fp16 in one conversion, where bf16 takes several)."""
     if F32:
         acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+    elif HALF:
+        acc = tl.dot(x.to(tl.float16), tl.trans(w.to(tl.float16)))
     else:
         acc = tl.dot(x, tl.trans(w.to(x.dtype)))
     return acc * scale
@@ -46,7 +49,7 @@ def gate_up_kernel(x_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr,
                    slot_expert_ptr, slot_start_ptr, slot_count_ptr, rows_ptr, n_slots_ptr,
                    shared_wg, shared_wu, shared_sg, shared_su,
                    T, N, K, stride_x, limit,
-                   TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, F32: tl.constexpr,
+                   TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, F32: tl.constexpr, HALF: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """h[p, n] = silu(min(g, limit)) * clamp(u, -limit, limit) for the slot's rows p, where
     g = x[token(p)] @ Wg[e].T and u likewise; the token of row p is p // TOP_K for routed pairs and
@@ -86,8 +89,8 @@ def gate_up_kernel(x_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr,
             else:
                 sg = 1.0
                 su = 1.0
-            acc_g += _product(x, wg, sg, F32)
-            acc_u += _product(x, wu, su, F32)
+            acc_g += _product(x, wg, sg, F32, HALF)
+            acc_u += _product(x, wu, su, F32, HALF)
         g = tl.minimum(acc_g, limit)
         u = tl.minimum(tl.maximum(acc_u, -limit), limit)
         h = g * tl.sigmoid(g) * u
@@ -99,7 +102,7 @@ def gate_up_kernel(x_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr,
 def down_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, y_ptr,
                 slot_expert_ptr, slot_start_ptr, slot_count_ptr, rows_ptr, n_slots_ptr,
                 shared_w, shared_s, T, N, K,
-                TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, F32: tl.constexpr,
+                TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, F32: tl.constexpr, HALF: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """y[p, n] = weight(p) * (h[p] @ Wd[e].T)[n] in fp32 for the slot's rows p (weight 1 for the
     shared expert's rows, the routing weight of pair p otherwise)."""
@@ -130,7 +133,7 @@ def down_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, y_ptr,
                 s = tl.load(s_ptr + s_off + s_row + k0 // 128)
             else:
                 s = 1.0
-            acc += _product(h, w, s, F32)
+            acc += _product(h, w, s, F32, HALF)
         routed = p < T * TOP_K
         wt = tl.load(weights_ptr + p, mask=rmask & routed, other=1.0)
         tl.store(y_ptr + p[:, None] * N + n[None, :], acc * wt[:, None], mask=rmask[:, None] & nmask[None, :])
