@@ -47,6 +47,14 @@ class TokenizerError(RuntimeError):
     """A checkpoint folder whose tokenizer files are missing or unusable."""
 
 
+class TextTooLong(ValueError):
+    """A text with more characters (`chars`) than the caller allows (`limit`); nothing was encoded."""
+
+    def __init__(self, chars: int, limit: int) -> None:
+        super().__init__(f"the text has {chars} characters; at most {limit} are allowed")
+        self.chars, self.limit = chars, limit
+
+
 class Tokenizer:
     """Text to token ids and back, with the checkpoint's special ids and chat template."""
 
@@ -128,7 +136,7 @@ class Tokenizer:
             return self._plain
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    special_tokens_in_content: bool = False) -> list[int]:
+                    special_tokens_in_content: bool = False, max_chars: int | None = None) -> list[int]:
         """The token ids of chat `messages` rendered with the chat template. Special tokens come from the
         template only: special-token strings inside a message's content are read as plain text (so a user
         cannot forge a role boundary), unless `special_tokens_in_content`.
@@ -136,10 +144,13 @@ class Tokenizer:
         Where no content holds such a string this is `encode(apply_chat_template(messages))`. Otherwise each
         such string is swapped for a placeholder while rendering; the text between the template's special
         tokens is then encoded as plain text with the strings put back (the library likewise encodes the
-        text between special tokens piece by piece)."""
+        text between special tokens piece by piece). A rendered text of more than `max_chars` characters
+        raises `TextTooLong` before it is encoded."""
         pattern = self._special_re
         if special_tokens_in_content or pattern is None or not any(pattern.search(m["content"]) for m in messages):
-            return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+            text = self.apply_chat_template(messages, add_generation_prompt)
+            _check_length(text, max_chars)
+            return self.encode(text)
         nonce = secrets.token_hex(8)
         held: list[str] = []
 
@@ -149,6 +160,7 @@ class Tokenizer:
 
         masked = [{**m, "content": pattern.sub(hold, m["content"])} for m in messages]
         text = self.apply_chat_template(masked, add_generation_prompt)
+        _check_length(text, max_chars)  # each placeholder differs in length from its string by a few characters
         placeholder = re.compile(f"\ue000{nonce}:(\\d+)\ue001")
         ids: list[int] = []
         pos = 0
@@ -168,6 +180,10 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         """The id of token string `token`, or None."""
         return self._tok.token_to_id(token)
+
+    def knows(self, token_id: int) -> bool:
+        """Whether `token_id` is a token of this tokenizer (a model's vocabulary may be padded past it)."""
+        return self._tok.id_to_token(token_id) is not None
 
     def token_bytes(self, token_id: int) -> bytes:
         """The UTF-8 bytes token `token_id` stands for: part of a character for some tokens (Chinese text in
@@ -223,6 +239,11 @@ def render_simple_template(template: str, messages: list[dict]) -> str:
                              "handles `{% for m in messages %}..{{ m.role }}..{{ m.content }}..{% endfor %}..`")
     _, before, between, after, tail = m.groups()
     return "".join(f"{before}{msg['role']}{between}{msg['content']}{after}" for msg in messages) + tail
+
+
+def _check_length(text: str, max_chars: int | None) -> None:
+    if max_chars is not None and len(text) > max_chars:
+        raise TextTooLong(len(text), max_chars)
 
 
 def _decoder_kinds(tok: _HfTokenizer) -> set[str]:
