@@ -169,6 +169,8 @@ def test_errors_are_openai_error_bodies(server):
     assert status == 400 and "max_model_len" in body["error"]["message"]
     status, _, body = request(port, "POST", "/v1/chat/completions", b'{"model": "tiny", "messages": [')
     assert status == 400 and "JSON" in body["error"]["message"]
+    status, _, body = request(port, "POST", "/v1/completions", b'{"model": "tiny", "prompt": "\\ud800"}')
+    assert status == 400 and "surrogate" in body["error"]["message"]
     for bad in ({"model": MODEL}, {"model": MODEL, "prompt": "x", "n": 2},
                 {"model": MODEL, "prompt": "x", "echo": True}, {"model": MODEL, "prompt": "x", "max_tokens": "5"},
                 {"model": MODEL, "prompt": [True]}, {"model": MODEL, "prompt": "x", "stop": 5}):

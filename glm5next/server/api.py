@@ -22,6 +22,8 @@ ERROR_TYPES = {404: "not_found_error", 408: "timeout_error", 500: "server_error"
 _KINDS = {"int": "an integer", "float": "a number", "bool": "a boolean", "str": "a string",
           "list": "an array", "dict": "an object"}
 _ROLES = ("system", "developer", "user", "assistant", "tool")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+"""A JSON escape of a UTF-16 surrogate (only then is the parsed body searched for unpaired ones)."""
 
 
 class ApiError(Exception):
@@ -70,10 +72,11 @@ def parse_json(body: bytes) -> dict:
         raise ApiError(400, "the request body is nested too deeply") from None
     if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    try:  # JSON escapes can spell lone surrogates, which no tokenizer accepts
-        json.dumps(data, ensure_ascii=False).encode()
-    except UnicodeEncodeError:
-        raise ApiError(400, "the request body holds an unpaired UTF-16 surrogate escape") from None
+    if _SURROGATE_ESCAPE.search(body):  # JSON escapes can spell lone surrogates, which no tokenizer accepts
+        try:
+            json.dumps(data, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise ApiError(400, "the request body holds an unpaired UTF-16 surrogate escape") from None
     return data
 
 

@@ -56,7 +56,16 @@ def cmd_serve(args) -> int:
     return asyncio.run(_serve(args))
 
 
-def _settings(args) -> ServerSettings:
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """The warning due when the server listens beyond this machine without an API key, else None."""
+    if is_loopback(host) or api_key is not None:
+        return None
+    return (f"listening on {host or 'every interface'} without an API key: anyone who can reach the port can use "
+            f"the model; set {API_KEY_ENV} or --api-key")
+
+
+def server_settings(args) -> ServerSettings:
+    """The server's settings from the parsed `serve` options (the API key from the environment if not given)."""
     limit = args.max_concurrent_requests or CONCURRENCY_PER_SEQ * args.max_num_seqs
     return ServerSettings(args.served_model_name or args.model, args.api_key or os.environ.get(API_KEY_ENV) or None,
                           split_list(args.allowed_hosts), split_list(args.allowed_origins), limit,
@@ -64,7 +73,7 @@ def _settings(args) -> ServerSettings:
 
 
 async def _serve(args) -> int:
-    settings = _settings(args)  # refuse bad options before loading
+    settings = server_settings(args)  # refuse bad options before loading
     start = time.perf_counter()
     logger.info("loading %s", args.model)
     core = LLMEngine(EngineArgs.from_cli(args, seed=args.seed, progress=True))
@@ -76,9 +85,9 @@ async def _serve(args) -> int:
     logger.info("loaded in %.1f s: %d cache blocks of %d tokens, context %d tokens, up to %d requests at once",
                 time.perf_counter() - start, core.plan.num_blocks, core.args.block_size, core.max_model_len,
                 core.args.max_num_seqs)
-    if not is_loopback(args.host) and settings.api_key is None:
-        logger.warning("listening on %s without an API key: anyone who can reach the port can use the model; set "
-                       "%s or --api-key", args.host, API_KEY_ENV)
+    warning = exposure_warning(args.host, settings.api_key)
+    if warning:
+        logger.warning(warning)
     engine = AsyncLLM(core)
     try:
         server = await Server(engine, settings, args.host, args.port).start()
