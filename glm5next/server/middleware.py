@@ -136,6 +136,7 @@ class Authorization:
         if scope["method"] == "POST":
             kind = (_header(scope, b"content-type") or "").split(";")[0].strip().lower()
             if kind != "application/json":
-                return ApiError(415, f"request bodies must be JSON sent as 'Content-Type: application/json', not "
-                                     f"{kind or 'without a content type'!r}", code="unsupported_media_type")
+                got = f"not {kind!r}" if kind else "and this request has no Content-Type"
+                return ApiError(415, f"request bodies must be JSON sent with 'Content-Type: application/json', {got}",
+                                code="unsupported_media_type")
         return None

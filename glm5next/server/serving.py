@@ -45,6 +45,7 @@ class Server:
 
     def __init__(self, engine, settings: ServerSettings, host: str = "127.0.0.1", port: int = 8000) -> None:
         if host not in WILDCARD_HOSTS and not _is_ip(host) and host not in settings.allowed_hosts:
+            # the name it listens on is a name its clients use
             settings = dataclasses.replace(settings, allowed_hosts=settings.allowed_hosts + (host,))
         self.engine, self.host, self.port = engine, host, port
         self.api = OpenAIServer(engine, settings)
