@@ -2,14 +2,17 @@
 HTTP, streaming and not, logprobs at the edges, errors as OpenAI error bodies, a concurrent streaming load, and
 clients that go away mid-request."""
 
+import ast
 import asyncio
 import json
 import math
+import os
 import socket
 import time
 
 import pytest
 
+import glm5next.server
 from glm5next.checkpoint.tiny_tokenizer import SPECIAL_TOKENS
 from tests.server_util import MODEL, request, send_raw, serving, wait_idle
 
@@ -277,3 +280,15 @@ def test_client_disconnect_aborts(server, client, stream):
     assert engine.engine.stats["generated_tokens"] - before < budget
     done = client.completions.create(model=MODEL, prompt="still fine", max_tokens=2, temperature=0)
     assert done.choices[0].finish_reason in ("length", "stop")
+
+
+# ------------------------------------------------------------------ layout
+@pytest.mark.parametrize("module", ["api", "prompts", "responses"])
+def test_request_checks_import_no_web_framework(module):
+    """What a request means and what is answered is decided without Starlette or uvicorn."""
+    path = os.path.join(os.path.dirname(glm5next.server.__file__), f"{module}.py")
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert not {m for m in imported if m.split(".")[0] in ("starlette", "uvicorn", "fastapi")}, imported

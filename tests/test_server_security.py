@@ -10,7 +10,7 @@ import pytest
 
 from glm5next.server.middleware import host_allowed, host_name
 from glm5next.server.settings import is_loopback
-from tests.server_util import MODEL, request, serving, wait_idle
+from tests.server_util import MODEL, request, send_raw, serving, wait_idle
 
 openai = pytest.importorskip("openai")
 
@@ -123,6 +123,17 @@ def test_four_stop_strings_are_fine(open_server):
                               {"model": MODEL, "prompt": "hi", "max_tokens": 2, "stop": ["w", "x", "y", "z" * 256],
                                "stop_token_ids": [1, 2]})
     assert status == 200, body
+
+
+def test_request_bodies_too_big_or_too_slow(served_engine):
+    with serving(served_engine, max_body_bytes=1000, body_timeout_s=0.3) as s:
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+        big = json.dumps({"model": MODEL, "prompt": "x" * 2000}).encode()
+        reply = send_raw(s.port, head + b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(big), big))
+        assert reply.startswith(b"HTTP/1.1 413") and b"limit of 1000 bytes" in reply
+        reply = send_raw(s.port, head + b"Content-Length: 100\r\n\r\n{\"model\":")  # and then nothing
+        assert reply.startswith(b"HTTP/1.1 408") and b"within 0.3 s" in reply
+        assert s.server.api.admitted == 0
 
 
 def test_concurrency_cap_answers_503(served_engine):

@@ -25,7 +25,7 @@ from .middleware import AccessLog, Authorization, HostCheck
 from .prompts import PromptBuilder
 from .responses import DONE, Logprobs, TokenTexts, sse, usage
 from .settings import ServerSettings
-from .streaming import ClientGone, EventStream, unless_disconnected
+from .streaming import ClientGone, EventStream, read_body, unless_disconnected
 
 logger = logging.getLogger("glm5next.server")
 
@@ -121,7 +121,7 @@ class OpenAIServer:
         self._admit()
         handed_over = False
         try:
-            body = await _read_body(request, self.settings.max_body_bytes)
+            body = await read_body(request, self.settings.max_body_bytes, self.settings.body_timeout_s)
             loop = asyncio.get_running_loop()
             req, ids = await unless_disconnected(loop.run_in_executor(self._pool, self._prepare, body, chat),
                                                  request.receive)
@@ -263,20 +263,6 @@ class OpenAIServer:
     def hurry(self) -> None:
         """End the grace of a drain under way now."""
         self._deadline = 0.0
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    length = request.headers.get("content-length")
-    close = {"Connection": "close"}  # the rest of the body is not read
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise ApiError(413, f"the request body has {int(length)} bytes; the limit is {limit}", headers=close)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"the request body is over the limit of {limit} bytes", headers=close)
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 async def _api_error(request: Request, e: ApiError) -> Response:

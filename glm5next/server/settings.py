@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 MAX_BODY_BYTES = 32 << 20
 """The largest request body accepted by default (413 beyond)."""
+BODY_TIMEOUT_S = 60.0
+"""How long a request body may take to arrive by default (408 beyond)."""
 SHUTDOWN_TIMEOUT_S = 30.0
 """How long live requests may run on after a shutdown begins before they are ended."""
 WILDCARD_HOSTS = ("", "0.0.0.0", "::")
@@ -27,6 +29,7 @@ class ServerSettings:
     max_concurrent_requests: int = 256
     """Generation requests held at once (tokenizing, waiting or running); more are answered 503."""
     max_body_bytes: int = MAX_BODY_BYTES
+    body_timeout_s: float = BODY_TIMEOUT_S
     access_log: bool = True
 
     def __post_init__(self) -> None:
@@ -39,6 +42,8 @@ class ServerSettings:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
+        if not isinstance(self.body_timeout_s, (int, float)) or not self.body_timeout_s > 0:
+            raise ValueError(f"body_timeout_s={self.body_timeout_s!r} must be a positive number of seconds")
         for name in ("allowed_hosts", "allowed_origins"):
             value = getattr(self, name)
             if not isinstance(value, tuple) or not all(isinstance(v, str) and v for v in value):

@@ -1,11 +1,16 @@
-"""Watching the client while a request is answered: a client that goes away cancels the work for it (and
-so aborts its engine request), whether the reply is streamed or not."""
+"""Watching the client while a request is read and answered: a body that is too big or too slow is refused,
+and a client that goes away cancels the work for it (and so aborts its engine request), whether the reply is
+streamed or not."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from typing import AsyncIterator, Awaitable, Callable
+
+from starlette.requests import ClientDisconnect, Request
+
+from .api import ApiError
 
 logger = logging.getLogger("glm5next.server")
 
@@ -16,6 +21,31 @@ EVENT_STREAM_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), 
 
 class ClientGone(Exception):
     """The client closed its connection before its reply was ready."""
+
+
+async def read_body(request: Request, limit: int, timeout: float) -> bytes:
+    """The request body: at most `limit` bytes (else 413), arrived within `timeout` seconds (else 408; a client
+    trickling it would hold its place forever). A client gone mid-body raises ClientGone."""
+    length = request.headers.get("content-length")
+    close = {"Connection": "close"}  # the rest of the body is not read
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise ApiError(413, f"the request body has {int(length)} bytes; the limit is {limit}", headers=close)
+
+    async def read() -> bytes:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"the request body is over the limit of {limit} bytes", headers=close)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    try:
+        return await asyncio.wait_for(read(), timeout)
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout:g} s", headers=close) from None
+    except ClientDisconnect:
+        raise ClientGone() from None
 
 
 async def _disconnected(receive) -> None:
