@@ -85,8 +85,11 @@ def test_health_fails_while_the_engine_is_dead(tiny_dir, monkeypatch):
     monkeypatch.setattr(engine.engine, "step", broken_step)
     with serving(engine) as s:
         assert request(s.port, "GET", "/health")[0] == 200
-        status, _, body = request(s.port, "POST", "/v1/completions", {"model": MODEL, "prompt": "hi"})
-        assert status == 503 and "a step failed" in body["error"]["message"]
+        conn, resp = _open_stream(s.port, 4)  # the stream under way learns of it in its last event
+        events = _events(resp)
+        conn.close()
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "engine_dead"
+        assert "a step failed" in events[-2]["error"]["message"]
         status, _, body = request(s.port, "GET", "/health")
         assert status == 503 and body["error"]["code"] == "engine_dead"
         status, _, body = request(s.port, "POST", "/v1/completions", {"model": MODEL, "prompt": "hi"})

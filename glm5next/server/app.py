@@ -236,6 +236,8 @@ class OpenAIServer:
                 yield sse({**base, "choices": [], "usage": usage(len(job.ids), len(c.token_ids))})
         except ApiError as e:  # ended mid-stream: the last event says why
             yield sse(e.body())
+        except EngineDeadError as e:
+            yield sse(ApiError(503, str(e), code="engine_dead").body())
         except Exception as e:
             logger.exception("stream %s failed", job.rid)
             yield sse(ApiError(500, str(e) or repr(e)).body())
