@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
+import threading
 
 from tokenizers import Tokenizer as _HfTokenizer
 
@@ -18,8 +20,39 @@ _SIMPLE_TEMPLATE = re.compile(
 `{% for m in messages %}A{{ m.role }}B{{ m.content }}C{% endfor %}D` with literal A, B, C, D."""
 
 
+LONG_TEXT_CHARS = 4096
+"""Texts at least this long are encoded with the GIL released (the library's batch call), so a long prompt
+does not stall the caller's other threads; shorter ones take the plain call, which is cheaper."""
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def byte_symbols() -> list[str]:
+    """The printable character standing for each byte 0..255 in byte-level BPE vocabularies.
+
+    Printable Latin-1 bytes stand for themselves; the others are shifted to
+    code points 256, 257, ... in byte order.
+    """
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)}
+    symbols, shifted = [], 0
+    for b in range(256):
+        if b in printable:
+            symbols.append(chr(b))
+        else:
+            symbols.append(chr(256 + shifted))
+            shifted += 1
+    return symbols
+
+
 class TokenizerError(RuntimeError):
     """A checkpoint folder whose tokenizer files are missing or unusable."""
+
+
+class TextTooLong(ValueError):
+    """A text with more characters (`chars`) than the caller allows (`limit`); nothing was encoded."""
+
+    def __init__(self, chars: int, limit: int) -> None:
+        super().__init__(f"the text has {chars} characters; at most {limit} are allowed")
+        self.chars, self.limit = chars, limit
 
 
 class Tokenizer:
@@ -36,6 +69,17 @@ class Tokenizer:
         self.eos_token_ids = eos_token_ids
         self.pad_token_id = pad_token_id
         self.chat_template = chat_template
+        added = tokenizer.get_added_tokens_decoder()
+        self.special_token_ids = frozenset(i for i, t in added.items() if t.special)
+        """Ids of the added tokens marked special (role markers, end of text, ...)."""
+        specials = sorted({added[i].content for i in self.special_token_ids}, key=len, reverse=True)
+        self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
+        self._added = {i: t.content for i, t in added.items()}
+        self._plain: _HfTokenizer | None = None  # a copy that reads special-token strings as text
+        self._lock = threading.Lock()
+        self._bytes: dict[int, bytes] = {}
+        self._byte_of: dict[str, int] | None = None
+        self._max_token_chars: int | None = None
 
     @classmethod
     def from_dir(cls, model_dir: str) -> "Tokenizer":
@@ -75,9 +119,59 @@ class Tokenizer:
         """Number of token ids the tokenizer knows (special tokens included)."""
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        """The token ids of `text` (special-token strings inside it become their ids)."""
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, special_tokens: bool = True) -> list[int]:
+        """The token ids of `text`: special-token strings inside it become their ids, or with
+        `special_tokens=False` are read as plain text."""
+        tok = self._tok if special_tokens or self._special_re is None else self._plain_tokenizer()
+        if len(text) >= LONG_TEXT_CHARS:
+            return tok.encode_batch([text], add_special_tokens=False)[0].ids
+        return tok.encode(text, add_special_tokens=False).ids
+
+    def _plain_tokenizer(self) -> _HfTokenizer:
+        with self._lock:
+            if self._plain is None:
+                plain = _HfTokenizer.from_str(self._tok.to_str())
+                plain.encode_special_tokens = True
+                self._plain = plain
+            return self._plain
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    special_tokens_in_content: bool = False, max_chars: int | None = None) -> list[int]:
+        """The token ids of chat `messages` rendered with the chat template. Special tokens come from the
+        template only: special-token strings inside a message's content are read as plain text (so a user
+        cannot forge a role boundary), unless `special_tokens_in_content`.
+
+        Where no content holds such a string this is `encode(apply_chat_template(messages))`. Otherwise each
+        such string is swapped for a placeholder while rendering; the text between the template's special
+        tokens is then encoded as plain text with the strings put back (the library likewise encodes the
+        text between special tokens piece by piece). A rendered text of more than `max_chars` characters
+        raises `TextTooLong` before it is encoded."""
+        pattern = self._special_re
+        if special_tokens_in_content or pattern is None or not any(pattern.search(m["content"]) for m in messages):
+            text = self.apply_chat_template(messages, add_generation_prompt)
+            _check_length(text, max_chars)
+            return self.encode(text)
+        nonce = secrets.token_hex(8)
+        held: list[str] = []
+
+        def hold(m: re.Match) -> str:
+            held.append(m.group(0))
+            return f"\ue000{nonce}:{len(held) - 1}\ue001"
+
+        masked = [{**m, "content": pattern.sub(hold, m["content"])} for m in messages]
+        text = self.apply_chat_template(masked, add_generation_prompt)
+        _check_length(text, max_chars)  # each placeholder differs in length from its string by a few characters
+        placeholder = re.compile(f"\ue000{nonce}:(\\d+)\ue001")
+        ids: list[int] = []
+        pos = 0
+        for m in [*pattern.finditer(text), None]:
+            piece = text[pos:m.start() if m else len(text)]
+            if piece:
+                ids += self.encode(placeholder.sub(lambda p: held[int(p.group(1))], piece), special_tokens=False)
+            if m is not None:
+                ids.append(self._tok.token_to_id(m.group(0)))
+                pos = m.end()
+        return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """The text of token ids `ids`, without special tokens if asked."""
@@ -86,6 +180,39 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         """The id of token string `token`, or None."""
         return self._tok.token_to_id(token)
+
+    def knows(self, token_id: int) -> bool:
+        """Whether `token_id` is a token of this tokenizer (a model's vocabulary may be padded past it)."""
+        return self._tok.id_to_token(token_id) is not None
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The UTF-8 bytes token `token_id` stands for: part of a character for some tokens (Chinese text in
+        byte-level vocabularies), which `decode` would show as U+FFFD."""
+        found = self._bytes.get(token_id)
+        if found is not None:
+            return found
+        if self._byte_of is None:
+            byte_level = "ByteLevel" in _decoder_kinds(self._tok)
+            self._byte_of = {c: b for b, c in enumerate(byte_symbols())} if byte_level else {}
+        piece = self._tok.id_to_token(token_id)
+        if token_id in self._added:
+            found = self._added[token_id].encode()
+        elif piece is not None and self._byte_of and all(c in self._byte_of for c in piece):
+            found = bytes(self._byte_of[c] for c in piece)
+        elif piece is not None and _BYTE_FALLBACK.fullmatch(piece):
+            found = bytes([int(piece[3:5], 16)])
+        else:
+            found = self.decode([token_id]).encode()
+        self._bytes[token_id] = found
+        return found
+
+    @property
+    def max_token_chars(self) -> int | None:
+        """The most characters of text one token can stand for (its vocabulary string is at least as long as
+        its text), or None where a normalizer may shrink text before it is split, so no such bound holds."""
+        if self._max_token_chars is None and self._tok.normalizer is None:
+            self._max_token_chars = max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
+        return self._max_token_chars
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The prompt text of chat `messages` (dicts with `role` and `content`), rendered with the
@@ -112,6 +239,19 @@ def render_simple_template(template: str, messages: list[dict]) -> str:
                              "handles `{% for m in messages %}..{{ m.role }}..{{ m.content }}..{% endfor %}..`")
     _, before, between, after, tail = m.groups()
     return "".join(f"{before}{msg['role']}{between}{msg['content']}{after}" for msg in messages) + tail
+
+
+def _check_length(text: str, max_chars: int | None) -> None:
+    if max_chars is not None and len(text) > max_chars:
+        raise TextTooLong(len(text), max_chars)
+
+
+def _decoder_kinds(tok: _HfTokenizer) -> set[str]:
+    """The types of the tokenizer's decoder and of the decoders in it (a Sequence)."""
+    if tok.decoder is None:
+        return set()
+    state = json.loads(tok.decoder.__getstate__())
+    return {state.get("type"), *(d.get("type") for d in state.get("decoders") or [])}
 
 
 def _read_json(path: str) -> dict:

@@ -1,3 +1,4 @@
+import asyncio
 import os
 import sys
 
@@ -30,3 +31,14 @@ def tiny_fp32(tiny_dir):
     from glm5next.model.backbone import Glm5NextModel
 
     return Glm5NextModel.from_pretrained(tiny_dir, torch.float32, "cpu", progress=False)
+
+
+@pytest.fixture(scope="session")
+def served_engine(tiny_dir):
+    """The small model in fp32 on CPU behind the async engine, shared by the server tests (context 128)."""
+    from glm5next.runtime.async_engine import AsyncLLM
+
+    engine = AsyncLLM.from_args(model=tiny_dir, dtype="float32", device="cpu", max_model_len=128, max_num_seqs=64,
+                                seed=0)
+    yield engine
+    asyncio.run(engine.shutdown())

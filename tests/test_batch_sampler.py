@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from glm5next.runtime.batch_sampler import BatchSampler, row_keys, uniforms
-from glm5next.runtime.sampler import SamplingParams, filtered_probs
+from glm5next.runtime.sampler import GREEDY_TEMPERATURE, SamplingParams, filtered_probs, sample
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 CHI2_LIMIT = 35.0
@@ -62,6 +62,24 @@ def test_greedy_is_argmax(device):
     tok, lp = s.sample(logits, t, 0)
     assert torch.equal(tok, logits.argmax(-1))
     assert torch.allclose(lp, torch.log_softmax(logits, -1).gather(1, tok[:, None])[:, 0], atol=1e-6)
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 9e-6, 0.0])
+def test_temperature_below_greedy_bound_is_argmax(temperature):
+    """Dividing logits by 1e-40 overflows fp32 (inf - inf is NaN); such temperatures take the argmax."""
+    torch.manual_seed(4)
+    logits = torch.randn(4, 29) * 10
+    params = [SamplingParams(temperature=temperature, seed=i) for i in range(4)]
+    assert all(p.greedy for p in params)
+    s = BatchSampler(29)
+    tok, lp = s.sample(logits, s.plan(params, "cpu"), 0)
+    assert torch.equal(tok, logits.argmax(-1)) and torch.isfinite(lp).all()
+    assert sample(logits[0], params[0], None) == int(logits[0].argmax())
+
+
+def test_temperature_at_greedy_bound_still_samples():
+    assert not SamplingParams(temperature=GREEDY_TEMPERATURE).greedy
+    assert not SamplingParams(temperature=1e-3).greedy
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -7,6 +7,8 @@ import os
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from ..tokenizer import byte_symbols
+
 SPECIAL_TOKENS = ("<|endoftext|>", "<|user|>", "<|assistant|>", "<|system|>", "<|pad|>")
 """Special tokens, with ids 256, 257, ... in this order."""
 EOS_TOKEN = "<|endoftext|>"
@@ -15,23 +17,6 @@ PAD_TOKEN = "<|pad|>"
 """Padding (id 260)."""
 CHAT_TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}<|assistant|>"
 """Jinja chat template: each message as `<|role|>content`, then the assistant prompt."""
-
-
-def byte_symbols() -> list[str]:
-    """The printable character standing for each byte 0..255 in byte-level BPE vocabularies.
-
-    Printable Latin-1 bytes stand for themselves; the others are shifted to
-    code points 256, 257, ... in byte order.
-    """
-    printable = {*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)}
-    symbols, shifted = [], 0
-    for b in range(256):
-        if b in printable:
-            symbols.append(chr(b))
-        else:
-            symbols.append(chr(256 + shifted))
-            shifted += 1
-    return symbols
 
 
 def byte_tokenizer() -> Tokenizer:

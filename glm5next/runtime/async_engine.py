@@ -67,6 +67,10 @@ class AsyncLLM:
         self._commands.put(("wake", None, None))
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        with self._lock:
+            ids = list(self._streams)
+        for rid in ids:  # they would wait for outputs forever
+            self._post(rid, EngineDeadError("the engine shut down"))
         if not self._released:
             self._released = True
             self.engine.release_followers()
@@ -79,6 +83,10 @@ class AsyncLLM:
     def num_unfinished(self) -> int:
         """Requests the engine still holds (read from the worker's side; approximate while a step runs)."""
         return self.engine.num_unfinished()
+
+    def usage(self) -> dict:
+        """Requests running and waiting, and the cache's fill (see `LLMEngine.usage`)."""
+        return self.engine.usage()
 
     def validate(self, prompt, params: SamplingParams | None = None) -> list[int]:
         """The prompt's token ids, or a ValueError naming the problem (see `LLMEngine.validate`)."""

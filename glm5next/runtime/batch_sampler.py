@@ -68,7 +68,7 @@ class SamplingTensors:
             min_p = float(getattr(p, "min_p", 0.0) or 0.0)
             if not 0.0 <= min_p <= 1.0:
                 raise ValueError(f"params[{i}].min_p={min_p!r} must be in [0, 1]")
-            is_greedy = p.temperature == 0.0
+            is_greedy = p.greedy
             greedy.append(is_greedy)
             temps.append(1.0 if is_greedy else float(p.temperature))
             ks.append(vocab if p.top_k <= 0 else min(int(p.top_k), vocab))

@@ -187,7 +187,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ inputs
     def validate(self, prompt, params: SamplingParams | None = None) -> list[int]:
-        """The prompt's token ids, or a ValueError naming what is wrong with the prompt."""
+        """The prompt's token ids, or a ValueError naming what is wrong with the prompt (or with `params` for
+        this engine)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer: give prompts as token ids")
@@ -208,6 +209,8 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; the context holds {self.max_model_len} "
                              f"(max_model_len), leaving no room to generate")
+        if self.spec and params is not None and params.logprobs is not None:
+            raise ValueError("logprobs are not available with speculative decoding yet")
         return list(ids)
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
@@ -217,8 +220,6 @@ class LLMEngine:
         if request_id in self._live:
             raise ValueError(f"request id {request_id!r} is already live")
         ids = self.validate(prompt, params)
-        if self.spec and params.logprobs is not None:
-            raise ValueError("logprobs are not available with speculative decoding yet")
         if params.seed is None:
             params = dataclasses.replace(params, seed=int(torch.randint(0, 2**62, (), generator=self._seeds)))
         budget = min(params.max_tokens, self.max_model_len - len(ids))
@@ -267,6 +268,13 @@ class LLMEngine:
 
     def num_unfinished(self) -> int:
         return len(self._live)
+
+    def usage(self) -> dict:
+        """Requests running and waiting, and the fraction of paged-cache blocks in use; readable from
+        another thread (approximate while a step runs)."""
+        s, bm = self.scheduler, self.scheduler.block_manager
+        return {"running": len(s.running), "waiting": len(s.waiting),
+                "cache_usage": 1.0 - bm.free_blocks / bm.num_blocks}
 
     # -------------------------------------------------------------------- step
     @torch.inference_mode()

@@ -8,6 +8,8 @@ import torch
 
 MAX_LOGPROBS = 20
 """The most alternatives a request may ask log-probabilities for."""
+GREEDY_TEMPERATURE = 1e-5
+"""Temperatures below this pick the most likely token: dividing fp32 logits by less can overflow to inf."""
 
 
 @dataclass
@@ -15,7 +17,7 @@ class SamplingParams:
     """How one request picks its tokens and when it stops."""
 
     temperature: float = 1.0
-    """0 picks the most likely token (greedy)."""
+    """0 (or anything below `GREEDY_TEMPERATURE`) picks the most likely token (greedy)."""
     top_p: float = 1.0
     top_k: int = -1
     """-1 (or 0) keeps every token."""
@@ -54,7 +56,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Whether the request takes the most likely token at every step."""
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

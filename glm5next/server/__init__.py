@@ -1,8 +1,10 @@
-"""The OpenAI-compatible HTTP server (`glm5next serve`): a small HTTP/1.1 layer on asyncio
-streams (`http`) and the OpenAI protocol over the async engine (`api`)."""
+"""The OpenAI-compatible HTTP server (`glm5next serve`): request checking independent of any web framework
+(`api`, `prompts`, `responses`), the ASGI app on Starlette (`app`, `middleware`, `streaming`, `metrics`),
+and uvicorn serving it (`serving`)."""
 
-from .api import OpenAIApp, error_response, start_server
-from .http import HTTPServer, Request, Response, Router, StreamingResponse
+from .api import ApiError, GenerateRequest
+from .app import OpenAIServer
+from .serving import Server, start_server
+from .settings import ServerSettings
 
-__all__ = ["HTTPServer", "OpenAIApp", "Request", "Response", "Router", "StreamingResponse", "error_response",
-           "start_server"]
+__all__ = ["ApiError", "GenerateRequest", "OpenAIServer", "Server", "ServerSettings", "start_server"]
