@@ -94,8 +94,8 @@ def stage_launches(w: dict, config: Glm5NextConfig, stage: str, choice: str, T: 
             return []
         h, d = config.linear_num_heads, config.linear_head_dim
         p = plan_kda(T, h, d, sms)
-        return [dict(launch="kda_decode", grid=(T, h, d // p.block_v), block_v=p.block_v, warps=p.num_warps,
-                     per_row="conv, gates, delta rule, gated norm; the head's last program normalises it")]
+        return [dict(launch="conv+gates+delta+norm", grid=(T, h, d // p.block_v), block_v=p.block_v,
+                     warps=p.num_warps)]
     if stage == "moe":
         if not any(config.moe_layers):
             return []
@@ -107,7 +107,8 @@ def stage_launches(w: dict, config: Glm5NextConfig, stage: str, choice: str, T: 
                 dict(launch="topk", grid=(T,)),
                 dict(launch="group", grid=(1,), block_t=p.block_t, block_m=p.block_m),
                 dict(launch="gate|up+swiglu", grid=(slots, -(-inter // p.gate_up_block_n)),
-                     block=(p.block_m, p.gate_up_block_n, p.block_k), stages=p.num_stages, warps=p.num_warps),
+                     block=(p.block_m, p.gate_up_block_n, p.block_k), stages=p.num_stages, warps=p.num_warps,
+                     products="fp16" if p.half else "bf16"),
                 dict(launch="down", grid=(slots, -(-config.hidden_size // p.down_block_n)),
                      block=(p.block_m, p.down_block_n, p.block_k), stages=p.num_stages, warps=p.num_warps),
                 dict(launch="combine", grid=(T, -(-config.hidden_size // p.combine_block_n)))]
