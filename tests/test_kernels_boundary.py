@@ -256,7 +256,7 @@ def test_rows_wider_than_one_finisher_tile():
     """Token blocks of 2 give a 2048-wide finisher tile: a 4100-wide row is collapsed, stored and
     normalised tile by tile (the path of the GPU's larger token counts)."""
     T, D = 3, 4100
-    assert fused.plan(T, D, N, False, block_t=2)["FIN"] < D
+    assert fused.plan(T, D, N, False, block_t=2).finisher_tile < D
     out, streams, post, comb, hc, norm_w = _case(T, D, torch.float32, seed=5)
     got = fused.mhc_boundary(out, streams, post, comb, *_mixer(hc), norm_w, **KW, block_t=2,
                              **_nan_buffers(T, D, torch.float32))
@@ -271,10 +271,14 @@ def test_rows_wider_than_one_finisher_tile():
 def test_sinkhorn_form_by_device(monkeypatch):
     """Tiles in the interpreter, registers on the GPU with the approximate reciprocal (the interpreter,
     asked for registers, has no inline assembly)."""
-    assert fused.plan(3, 100, N, on_gpu=False)["SK4"] == 0
-    assert fused.plan(3, 100, N, on_gpu=True)["SK4"] == 2
+    forms = {}
+    for on_gpu in (False, True):
+        p = fused.plan(3, 100, N, on_gpu=on_gpu)
+        forms[on_gpu] = (p.sinkhorn, p.constexprs()["SK4"])
+    assert forms == {False: ("tiles", 0), True: ("registers+rcp", 2)}
     monkeypatch.setattr(fused, "SINKHORN_IN_REGISTERS", True)
-    assert fused.plan(3, 100, N, on_gpu=False)["SK4"] == 1
+    p = fused.plan(3, 100, N, on_gpu=False)
+    assert (p.sinkhorn, p.constexprs()["SK4"]) == ("registers", 1)
 
 
 def test_gpu_chunk_by_token_count():
@@ -282,12 +286,12 @@ def test_gpu_chunk_by_token_count():
     size the H200 sweep chose per token count; an explicit chunk wins."""
     sizes = (1, 2, 4, 5, 6, 7, 8, 9, 16, 17, 24, 25, 32, 33, 48, 49, 64)
     plans = {T: fused.plan(T, 4096, N, on_gpu=True) for T in sizes}
-    chunk = {T: p["SUB"] * p["NSUB"] for T, p in plans.items()}
+    chunk = {T: p.chunk for T, p in plans.items()}
     assert chunk == {1: 32, 2: 32, 4: 32, 5: 64, 6: 64, 7: 64, 8: 64, 9: 128, 16: 128, 17: 128, 24: 128,
                      25: 256, 32: 256, 33: 128, 48: 128, 49: 256, 64: 256}
-    assert {T: p["BT"] for T, p in plans.items()} == {T: 1 if T <= 16 else 2 for T in sizes}
+    assert {T: p.block_t for T, p in plans.items()} == {T: 1 if T <= 16 else 2 for T in sizes}
     p = fused.plan(4, 4096, N, on_gpu=True, chunk=128)
-    assert p["SUB"] * p["NSUB"] == 128 and p["NC"] == 32
+    assert p.chunk == 128 and p.chunks == 32 and p.grid == (32, 4)
 
 
 @pytest.mark.parametrize("form", ["one-tile", "wide-rows"])
@@ -297,7 +301,7 @@ def test_x16_is_x_in_fp16(monkeypatch, form):
     itself unchanged by it."""
     T, D, block_t = {"one-tile": (3, 100, None), "wide-rows": (3, 4100, 2)}[form]
     p = fused.plan(T, D, N, False, block_t=block_t)
-    assert (p["FIN"] < D) == (form == "wide-rows")
+    assert (p.finisher_tile < D) == (form == "wide-rows")
     dtype = torch.bfloat16
     out, streams, post, comb, hc, norm_w = _case(T, D, dtype, seed=31)
     plain = fused.mhc_boundary(out, streams, post, comb, *_mixer(hc), norm_w, **KW, block_t=block_t)

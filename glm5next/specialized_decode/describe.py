@@ -50,8 +50,8 @@ def _linear(name: str, tokens: int, members: list[tuple[str, tuple[int, int], in
 def _boundary(tokens: int, D: int, n: int, choice: str) -> dict:
     p = boundary_kernels.plan(tokens, D, n, on_gpu=True)
     deferred = choice == "fused-deferred"
-    return dict(launch="mhc_boundary", grid=(p["NC"], p["NT"]), block_t=p["BT"], chunk=p["SUB"] * p["NSUB"],
-                sub=p["SUB"], fin=p["FIN"], sinkhorn=("tiles", "registers", "registers+rcp")[p["SK4"]],
+    return dict(launch="mhc_boundary", grid=p.grid, block_t=p.block_t, chunk=p.chunk, sub=p.sub,
+                fin=p.finisher_tile, sinkhorn=p.sinkhorn,
                 finisher="scalars" if boundary_kernels.finishes_by_scalars(p, 0, n, D, deferred) else "tiles",
                 deferred=deferred, warps=boundary_kernels.NUM_WARPS, pdl=True)
 

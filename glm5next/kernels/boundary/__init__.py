@@ -14,13 +14,15 @@ One boundary at a time per device (launches on one stream).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 
 from .. import pdl as _pdl
 from .kernel import mhc_kernel
 
-__all__ = ["mhc_boundary", "mhc_first", "mhc_last", "plan"]
+__all__ = ["BoundaryPlan", "mhc_boundary", "mhc_first", "mhc_last", "plan"]
 
 MAX_TICKETS = 4096
 _TICKETS: dict[torch.device, torch.Tensor] = {}
@@ -47,13 +49,68 @@ NUM_WARPS = 4
 """Warps per program (the finisher's collapse and norm spread over them; Sinkhorn runs on every thread)."""
 
 
-def plan(T: int, D: int, n: int, on_gpu: bool, block_t: int | None = None, chunk: int | None = None) -> dict:
-    """Tile sizes: token block BT, chunk of D per program (SUB * NSUB), finisher tiles NCB and FIN, and SK4,
-    Sinkhorn's form (0 [n, n] tiles, 1 registers, 2 registers with the approximate reciprocal)."""
+@dataclass(frozen=True)
+class BoundaryPlan:
+    """Launch parameters of one boundary launch: grid (chunks, token_blocks), program (c, tb) owning columns
+    [c * chunk, (c + 1) * chunk) of the hidden size for tokens [tb * block_t, (tb + 1) * block_t); the last
+    program of each token block finishes it. A deterministic function of the shapes, the device and the
+    overrides (`plan`)."""
+
+    rows: int
+    """Workspace rows of n slots per token and chunk: the (2 + n) mixer outputs and the sum of squares, padded to
+    a power of two (the kernel's ROWS)."""
+    block_t: int
+    """Tokens per program (BT)."""
+    sub: int
+    """Columns of one sub-tile, the unit of a chunk program's loads and products (SUB)."""
+    n_sub: int
+    """Sub-tiles per chunk (NSUB)."""
+    chunks: int
+    """Chunk programs per token block, the grid's first axis (NC)."""
+    token_blocks: int
+    """Token blocks, the grid's second axis (one ticket counter each)."""
+    finisher_chunks: int
+    """Chunks whose partial products the finisher sums at a time (NCB)."""
+    finisher_tile: int
+    """Columns of the finisher's collapse and norm tile; a row wider than one is stored and read back (FIN)."""
+    sinkhorn_in_registers: bool
+    """n = 4 Sinkhorn as 16 register values (the GPU's form; the interpreter's is [n, n] tiles, far fewer
+    operations)."""
+    approximate_rcp: bool
+    """Each normalisation of the register form by the hardware's approximate reciprocal `rcp` (within 1 ulp;
+    GPUs only: the interpreter has no inline assembly)."""
+
+    def __post_init__(self) -> None:
+        if self.approximate_rcp and not self.sinkhorn_in_registers:
+            raise ValueError("approximate_rcp needs sinkhorn_in_registers")
+
+    @property
+    def chunk(self) -> int:
+        """Columns of the hidden size per chunk program."""
+        return self.sub * self.n_sub
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return self.chunks, self.token_blocks
+
+    @property
+    def sinkhorn(self) -> str:
+        """Sinkhorn's form: "tiles", "registers" or "registers+rcp"."""
+        return ("registers+rcp" if self.approximate_rcp else "registers") if self.sinkhorn_in_registers else "tiles"
+
+    def constexprs(self) -> dict[str, int]:
+        """The kernel's compile-time tile parameters (SK4: Sinkhorn's form, 0 tiles, 1 registers, 2 registers
+        with the approximate reciprocal)."""
+        return dict(ROWS=self.rows, BT=self.block_t, SUB=self.sub, NSUB=self.n_sub, NC=self.chunks,
+                    NCB=self.finisher_chunks, FIN=self.finisher_tile,
+                    SK4=(2 if self.approximate_rcp else 1) if self.sinkhorn_in_registers else 0)
+
+
+def plan(T: int, D: int, n: int, on_gpu: bool, block_t: int | None = None, chunk: int | None = None) -> BoundaryPlan:
+    """The launch of T tokens of width D with n streams; `block_t` and `chunk` override the device's choices."""
     rows = _p2(n + 3)
     w = rows * n
     regs = on_gpu if SINKHORN_IN_REGISTERS is None else SINKHORN_IN_REGISTERS
-    sk4 = (2 if on_gpu else 1) if regs else 0
     if block_t is None:
         # On an H200 one token per program is fastest up to 16 tokens (the finisher's work is per
         # token block and runs on one SM; at 16 with deferred Sinkhorn, 12.2 us against 14.5 on
@@ -78,13 +135,14 @@ def plan(T: int, D: int, n: int, on_gpu: bool, block_t: int | None = None, chunk
     nc = triton.cdiv(D, chunk)
     # The finisher of a block of several tokens takes the whole block in FIN-wide tiles (the collapsed rows
     # stored, then read back for the norm).
-    return dict(
-        ROWS=rows, BT=bt, SUB=sub, NSUB=chunk // sub, NC=nc, NT=triton.cdiv(T, bt),
-        NCB=min(_p2(nc), max(1, 1024 // (bt * w))), FIN=min(_p2(D), max(16, 4096 // bt)), SK4=sk4,
+    return BoundaryPlan(
+        rows=rows, block_t=bt, sub=sub, n_sub=chunk // sub, chunks=nc, token_blocks=triton.cdiv(T, bt),
+        finisher_chunks=min(_p2(nc), max(1, 1024 // (bt * w))), finisher_tile=min(_p2(D), max(16, 4096 // bt)),
+        sinkhorn_in_registers=regs, approximate_rcp=regs and on_gpu,
     )
 
 
-def finishes_by_scalars(p: dict, mode: int, n: int, D: int, defer: bool = False) -> bool:
+def finishes_by_scalars(p: BoundaryPlan, mode: int, n: int, D: int, defer: bool = False) -> bool:
     """Whether a launch of plan `p` finishes with the mixer's outputs as scalars in every thread
     (`kernel._finish_token`) instead of small tiles whose every sum is a cross-lane reduction: one token per
     block, n = 4, Sinkhorn in registers, the row in one finisher tile, a mixer (mode 0 the boundary, 1 the
@@ -92,8 +150,8 @@ def finishes_by_scalars(p: dict, mode: int, n: int, D: int, defer: bool = False)
     columns. The H200 sweep of 2026-12-05 (64 boundaries in a row, one token per program) timed it at 1 / 4 /
     8 / 16 tokens, chunk 32: 7.81 -> 6.80, 8.71 -> 7.59, 11.64 -> 11.18, 19.33 -> 17.47 us; deferred, it won
     only at chunk 32 (0.5-0.9 us) and lost 0.1-0.6 us at 64 and 128."""
-    return (mode != 2 and n == 4 and p["BT"] == 1 and p["SK4"] > 0 and p["FIN"] >= D
-            and (not defer or p["SUB"] * p["NSUB"] <= 32))
+    return (mode != 2 and n == 4 and p.block_t == 1 and p.sinkhorn_in_registers and p.finisher_tile >= D
+            and (not defer or p.chunk <= 32))
 
 
 def _launch(mode, out, streams, post, comb, fn, base, scale, w, new_streams, new_post, new_comb, x,
@@ -109,9 +167,8 @@ def _launch(mode, out, streams, post, comb, fn, base, scale, w, new_streams, new
     if not 1 <= T:
         raise ValueError("need at least one token")
     p = plan(T, D, n, out.is_cuda, block_t, chunk)
-    nt = p.pop("NT")
-    if nt > MAX_TICKETS:
-        raise ValueError(f"{T} tokens need {nt} ticket counters (max {MAX_TICKETS})")
+    if p.token_blocks > MAX_TICKETS:
+        raise ValueError(f"{T} tokens need {p.token_blocks} ticket counters (max {MAX_TICKETS})")
     for t in (new_streams, new_post, new_comb, x):
         if t is not None and not t.is_contiguous():
             raise ValueError("output buffers must be contiguous")
@@ -119,14 +176,14 @@ def _launch(mode, out, streams, post, comb, fn, base, scale, w, new_streams, new
                             or x16.device != x.device):
         raise ValueError(f"x16 must be a contiguous fp16 {tuple(x.shape)} buffer on {x.device}, got "
                          f"{tuple(x16.shape)} {x16.dtype} on {x16.device}")
-    part = torch.empty(T * p["NC"] * p["ROWS"] * n, dtype=torch.float32, device=out.device)
+    part = torch.empty(T * p.chunks * p.rows * n, dtype=torch.float32, device=out.device)
     dummy = out
     if pdl not in (None, False, True, "late"):
         raise ValueError(f"pdl must be a bool or 'late', got {pdl!r}")
     late = pdl == "late"
     pdl = pdl is not False and _pdl.enabled(out.device)  # None: wherever the device has it
     scalar = finishes_by_scalars(p, mode, n, D, defer)
-    mhc_kernel[(p["NC"], nt)](
+    mhc_kernel[p.grid](
         out, dummy if streams is None else streams, dummy if post is None else post,
         dummy if comb is None else comb, dummy if fn is None else fn, dummy if base is None else base,
         dummy if scale is None else scale, w,
@@ -136,7 +193,7 @@ def _launch(mode, out, streams, post, comb, fn, base, scale, w, new_streams, new
         T, float(hc_eps), float(rms_eps), float(norm_eps), float(post_mult),
         x if x16 is None else x16,
         D=D, N=n, MODE=mode, ITERS=1 if defer else int(sinkhorn_iters), PDL=pdl, RELEASE_LATE=pdl and late,
-        ITERS_IN=int(pending_iters), X16=x16 is not None, SCALAR=scalar, **p,
+        ITERS_IN=int(pending_iters), X16=x16 is not None, SCALAR=scalar, **p.constexprs(),
         num_warps=NUM_WARPS, enable_fp_fusion=False,
         **({"launch_pdl": True} if pdl else {}),
     )
