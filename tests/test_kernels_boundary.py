@@ -137,16 +137,15 @@ def test_many_programs_and_token_blocks(block_t, chunk):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-def test_register_sinkhorn_of_the_gpu_path(monkeypatch, dtype):
-    """The GPU runs n = 4 Sinkhorn as 16 register values; check that path here too."""
-    monkeypatch.setattr(fused, "SINKHORN_IN_REGISTERS", True)
+def test_register_sinkhorn_of_the_gpu_path(dtype):
+    """The GPU runs n = 4 Sinkhorn as 16 register values; check that path here too (asked of the plan)."""
     T, D = 3, 100
     out, streams, post, comb, hc, norm_w = _case(T, D, dtype, seed=5)
-    got = fused.mhc_boundary(out, streams, post, comb, *_mixer(hc), norm_w, **KW)
+    got = fused.mhc_boundary(out, streams, post, comb, *_mixer(hc), norm_w, **KW, sinkhorn_in_registers=True)
     want = ref.mhc_boundary(out, streams, post, comb, *_mixer(hc), norm_w, **KW)
     for g, w in zip(got, want):
         _close(g, w, 1e-5 if dtype == torch.float32 else 3 * 2.0**-7)
-    first = fused.mhc_first(out, *_mixer(hc), norm_w, **KW)
+    first = fused.mhc_first(out, *_mixer(hc), norm_w, **KW, sinkhorn_in_registers=True)
     for g, w in zip(first, ref.mhc_first(out, *_mixer(hc), norm_w, **KW)):
         _close(g, w, 1e-5 if dtype == torch.float32 else 3 * 2.0**-7)
 
@@ -183,13 +182,12 @@ def test_launch_modes():
 
 @pytest.mark.parametrize("registers", [False, True])
 @pytest.mark.parametrize("T, D", [(1, 64), (3, 100)])
-def test_deferred_sinkhorn_chain_equals_the_plain_chain(monkeypatch, T, D, registers):
+def test_deferred_sinkhorn_chain_equals_the_plain_chain(T, D, registers):
     """first -> boundary -> boundary -> last with every comb left pending (one Sinkhorn iteration) and
     finished by the next launch's chunk programs: the same streams, post, x and hidden states as the
     plain chain (bit for bit on the register path, which runs the same iterations on the same values, at
     chunks of 32 columns, where one-token blocks finish by scalars deferred or not), each pending comb the
     reference's, and finishing it gives the plain comb."""
-    monkeypatch.setattr(fused, "SINKHORN_IN_REGISTERS", registers)
     g = torch.Generator().manual_seed(300 + T)
     hcs = [_stock_hc(D, 40 + i) for i in range(3)]
     emb = torch.randn(T, D, generator=g)
@@ -197,19 +195,20 @@ def test_deferred_sinkhorn_chain_equals_the_plain_chain(monkeypatch, T, D, regis
     norm_w = 1 + 0.2 * torch.randn(D, generator=g)
 
     def chain(mod, deferred):
+        # The kernels' plan: Sinkhorn's form, and chunks of 32 on the register path.
+        form = dict(sinkhorn_in_registers=registers) if mod is fused else {}
+        tiles = dict(form, **({"chunk": 32} if registers else {})) if mod is fused else {}
+        defer = dict(defer_sinkhorn=True) if deferred else {}
         pend = dict(comb_pending=True) if deferred else {}
-        if registers and mod is fused:
-            pend["chunk"] = 32
-        res = [mod.mhc_first(emb, *_mixer(hcs[0]), norm_w, **KW, **({"chunk": 32} if "chunk" in pend else {}),
-                             **({"defer_sinkhorn": True} if deferred else {}))]
+        res = [mod.mhc_first(emb, *_mixer(hcs[0]), norm_w, **KW, **tiles, **defer)]
         for i in (1, 2):
             s, p, c, _ = res[-1]
             bufs = _nan_buffers(T, D, torch.float32) if mod is fused else {}  # every output written
-            res.append(mod.mhc_boundary(outs[i - 1], s, p, c, *_mixer(hcs[i]), norm_w, **KW, **pend, **bufs,
-                                        **({"defer_sinkhorn": True} if deferred else {})))
+            res.append(mod.mhc_boundary(outs[i - 1], s, p, c, *_mixer(hcs[i]), norm_w, **KW, **tiles, **pend, **bufs,
+                                        **defer))
         s, p, c, _ = res[-1]
         last_kw = dict(comb_pending=True, hc_eps=HC_EPS, sinkhorn_iters=ITERS) if deferred else {}
-        return res, mod.mhc_last(outs[2], s, p, c, norm_w, norm_eps=NORM_EPS, **last_kw)
+        return res, mod.mhc_last(outs[2], s, p, c, norm_w, norm_eps=NORM_EPS, **form, **last_kw)
 
     plain, plain_last = chain(fused, False)
     deferred, deferred_last = chain(fused, True)
@@ -268,17 +267,41 @@ def test_rows_wider_than_one_finisher_tile():
     _close(hidden, ref.mhc_last(out, streams, post, comb, norm_w, norm_eps=NORM_EPS), 1e-5)
 
 
+class _RecordedKernel:
+    """The boundary kernel, recording each launch's Sinkhorn form (SK4) before it runs."""
+
+    def __init__(self, kernel):
+        self.kernel, self.forms = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.forms.append(kwargs["SK4"])
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
 def test_sinkhorn_form_by_device(monkeypatch):
-    """Tiles in the interpreter, registers on the GPU with the approximate reciprocal (the interpreter,
-    asked for registers, has no inline assembly)."""
+    """Tiles in the interpreter, registers on the GPU with the approximate reciprocal; the plan's override
+    picks either form on either device (the interpreter, asked for registers, has no inline assembly: no
+    `rcp`), and reaches the kernel from each entry point."""
     forms = {}
     for on_gpu in (False, True):
-        p = fused.plan(3, 100, N, on_gpu=on_gpu)
-        forms[on_gpu] = (p.sinkhorn, p.constexprs()["SK4"])
-    assert forms == {False: ("tiles", 0), True: ("registers+rcp", 2)}
-    monkeypatch.setattr(fused, "SINKHORN_IN_REGISTERS", True)
-    p = fused.plan(3, 100, N, on_gpu=False)
-    assert (p.sinkhorn, p.constexprs()["SK4"]) == ("registers", 1)
+        for regs in (None, True, False):
+            p = fused.plan(3, 100, N, on_gpu=on_gpu, sinkhorn_in_registers=regs)
+            forms[on_gpu, regs] = (p.sinkhorn, p.constexprs()["SK4"])
+    assert forms == {(False, None): ("tiles", 0), (False, True): ("registers", 1), (False, False): ("tiles", 0),
+                     (True, None): ("registers+rcp", 2), (True, True): ("registers+rcp", 2),
+                     (True, False): ("tiles", 0)}
+    with pytest.raises(ValueError, match="approximate_rcp"):
+        fused.BoundaryPlan(8, 1, 32, 1, 4, 1, 4, 128, sinkhorn_in_registers=False, approximate_rcp=True)
+    recorded = _RecordedKernel(fused.mhc_kernel)
+    monkeypatch.setattr(fused, "mhc_kernel", recorded)
+    out, streams, post, comb, hc, norm_w = _case(2, 64, torch.float32, seed=19)
+    for regs in (None, True, False):
+        fused.mhc_boundary(out, streams, post, comb, *_mixer(hc), norm_w, **KW, sinkhorn_in_registers=regs)
+        fused.mhc_first(out, *_mixer(hc), norm_w, **KW, sinkhorn_in_registers=regs)
+        fused.mhc_last(out, streams, post, comb, norm_w, norm_eps=NORM_EPS, sinkhorn_in_registers=regs)
+    assert recorded.forms == [0, 0, 0, 1, 1, 1, 0, 0, 0]
 
 
 def test_gpu_chunk_by_token_count():
@@ -295,7 +318,7 @@ def test_gpu_chunk_by_token_count():
 
 
 @pytest.mark.parametrize("form", ["one-tile", "wide-rows"])
-def test_x16_is_x_in_fp16(monkeypatch, form):
+def test_x16_is_x_in_fp16(form):
     """With an `x16` buffer the boundary and the first layer also write x in fp16: the same values as x
     converted, NaN-filled buffers, in each finisher form (whole rows, rows wider than one tile), and x
     itself unchanged by it."""
@@ -327,23 +350,25 @@ def test_x16_buffer_is_checked():
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("T, D", [(1, 64), (3, 130)])
-def test_scalar_finisher_of_one_token_blocks(monkeypatch, T, D, dtype):
+def test_scalar_finisher_of_one_token_blocks(T, D, dtype):
     """One-token blocks (the GPU's form up to 16 tokens) on the register path finish with the mixer's
     outputs as scalars: the boundary and the first layer match the reference with NaN-filled outputs (and
     their x16 is x in fp16), and the tile finisher of two-token blocks within rounding; the last layer and
-    blocks of several tokens keep the tile finisher, deferred Sinkhorn does at chunks above 32."""
-    monkeypatch.setattr(fused, "SINKHORN_IN_REGISTERS", True)
+    blocks of several tokens keep the tile finisher, deferred Sinkhorn does at chunks above 32; Sinkhorn in
+    tiles never does."""
+    regs = dict(sinkhorn_in_registers=True)
     out, streams, post, comb, hc, norm_w = _case(T, D, dtype, seed=61)
-    tile = fused.mhc_boundary(out, streams, post, comb, *_mixer(hc), norm_w, **KW, block_t=2)
-    p = fused.plan(T, D, N, False, block_t=1)
+    tile = fused.mhc_boundary(out, streams, post, comb, *_mixer(hc), norm_w, **KW, block_t=2, **regs)
+    p = fused.plan(T, D, N, False, block_t=1, **regs)
     assert fused.finishes_by_scalars(p, 0, N, D) and fused.finishes_by_scalars(p, 1, N, D)
     assert not fused.finishes_by_scalars(p, 2, N, D) and not fused.finishes_by_scalars(p, 0, 2, D)
-    assert not fused.finishes_by_scalars(fused.plan(T, D, N, False, block_t=2), 0, N, D)
-    assert not fused.finishes_by_scalars(fused.plan(T, D, N, False, block_t=1, chunk=64), 0, N, D, defer=True)
-    assert fused.finishes_by_scalars(fused.plan(T, D, N, False, block_t=1, chunk=32), 0, N, D, defer=True)
+    assert not fused.finishes_by_scalars(fused.plan(T, D, N, False, block_t=2, **regs), 0, N, D)
+    assert not fused.finishes_by_scalars(fused.plan(T, D, N, False, block_t=1, chunk=64, **regs), 0, N, D, defer=True)
+    assert fused.finishes_by_scalars(fused.plan(T, D, N, False, block_t=1, chunk=32, **regs), 0, N, D, defer=True)
+    assert not fused.finishes_by_scalars(fused.plan(T, D, N, False, block_t=1), 0, N, D)
     tol = 1e-5 if dtype == torch.float32 else 3 * 2.0**-7
     x16 = torch.full((T, D), float("nan"), dtype=torch.float16)
-    got = fused.mhc_boundary(out, streams, post, comb, *_mixer(hc), norm_w, **KW, block_t=1, x16=x16,
+    got = fused.mhc_boundary(out, streams, post, comb, *_mixer(hc), norm_w, **KW, block_t=1, x16=x16, **regs,
                              **_nan_buffers(T, D, dtype))
     want = ref.mhc_boundary(out, streams, post, comb, *_mixer(hc), norm_w, **KW)
     for g, w, t in zip(got, want, tile):
@@ -351,7 +376,7 @@ def test_scalar_finisher_of_one_token_blocks(monkeypatch, T, D, dtype):
         _close(g, t, 1e-5 if dtype == torch.float32 else 2.0**-7)
     assert torch.equal(x16, got[3].to(torch.float16))
     bufs = _nan_buffers(T, D, dtype)
-    first = fused.mhc_first(out, *_mixer(hc), norm_w, **KW, block_t=1, streams=bufs["new_streams"],
+    first = fused.mhc_first(out, *_mixer(hc), norm_w, **KW, block_t=1, **regs, streams=bufs["new_streams"],
                             post=bufs["new_post"], comb=bufs["new_comb"], x=bufs["x"])
     for g, w in zip(first, ref.mhc_first(out, *_mixer(hc), norm_w, **KW)):
         _close(g, w, tol)

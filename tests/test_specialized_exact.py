@@ -10,6 +10,7 @@ from glm5next.model.mhc import hc_post
 from glm5next.runtime.cache import allocate_cache
 from glm5next.runtime.runner import Runner, Sequence
 from glm5next.specialized_decode import STAGES, Policy, SpecializedDecode
+from glm5next.specialized_decode.boundary import BoundaryStage
 
 SIZES = (1, 2, 4, 8)
 
@@ -239,13 +240,12 @@ def test_planned_step_equals_stock_step(tiny_fp32, choice):
 
 
 @pytest.mark.parametrize("registers", [False, True])
-def test_planned_step_with_deferred_sinkhorn_equals_stock_step(tiny_fp32, monkeypatch, registers):
+def test_planned_step_with_deferred_sinkhorn_equals_stock_step(tiny_fp32, registers):
     """"fused-deferred" boundaries (each comb finished by the next boundary): the planned step equals
-    the stock one, on the interpreter's tile path and on the GPU's register path."""
-    import glm5next.kernels.boundary as boundary_kernels
-
-    monkeypatch.setattr(boundary_kernels, "SINKHORN_IN_REGISTERS", registers)
+    the stock one, on the interpreter's tile path and on the GPU's register path (a boundary stage whose
+    launch plans ask for it)."""
     ex = SpecializedDecode(tiny_fp32, policy(boundary="fused-deferred"), SIZES)
+    ex.boundary_stage = BoundaryStage(tiny_fp32.config, ex.copies, sinkhorn_in_registers=registers)
     decode_alike(tiny_fp32, [5, 40], ex, 2)
     assert ex.planned_steps == 2
 
@@ -260,7 +260,6 @@ def test_only_boundaries_before_overlapped_groups_release_late(tiny_fp32, monkey
     gate|up (it runs before the router); the others are not."""
     import glm5next.kernels.linear as linear_kernels
     from glm5next.config import KDA
-    from glm5next.specialized_decode.boundary import BoundaryStage
 
     asked = {}
     call, first = BoundaryStage.__call__, BoundaryStage.first
@@ -352,7 +351,6 @@ def test_projection_case_runs_every_choice_after_its_boundary(tiny_fp32, monkeyp
     import glm5next.kernels.linear as linear_kernels
     from glm5next.bench import stages
     from glm5next.config import KDA
-    from glm5next.specialized_decode.boundary import BoundaryStage
 
     monkeypatch.setattr(stages, "ROTATE_BYTES", 1)  # one copy of each layer
     case = stages._projection_case(tiny_fp32, 2, KDA, "kda_proj")
@@ -462,7 +460,6 @@ def test_mlp_case_runs_every_choice_after_its_boundary(tiny_fp32, monkeypatch, s
     result is the stock MLP's."""
     import glm5next.kernels.linear as linear_kernels
     from glm5next.bench import stages
-    from glm5next.specialized_decode.boundary import BoundaryStage
     from glm5next.specialized_decode.dense_mlp import DenseMlpStage
 
     monkeypatch.setattr(stages, "ROTATE_BYTES", 1)  # one copy of each layer

@@ -17,11 +17,15 @@ from .copies import Fp16Copies
 class BoundaryStage:
     """Calls the Triton boundary kernels with one layer's mixer and norm."""
 
-    def __init__(self, config: Glm5NextConfig, copies: Fp16Copies | None = None) -> None:
+    def __init__(self, config: Glm5NextConfig, copies: Fp16Copies | None = None,
+                 sinkhorn_in_registers: bool | None = None) -> None:
         self.consts = dict(hc_eps=config.hc_eps, rms_eps=config.rms_norm_eps, sinkhorn_iters=config.hc_sinkhorn_iters,
                            post_mult=MHC_POST_MULT)
         self.copies = copies
         """Where a boundary asked for an fp16 copy of its output files it."""
+        self.sinkhorn_in_registers = sinkhorn_in_registers
+        """Sinkhorn's form in every launch plan: None the plan's choice by device (registers on a GPU, tiles in
+        the interpreter); True / False force it (tests run the GPU's register form in the interpreter)."""
 
     def _x16(self, like: torch.Tensor, want: bool) -> torch.Tensor | None:
         if not want or self.copies is None:
@@ -42,7 +46,8 @@ class BoundaryStage:
         buf = self._x16(out, x16)
         y = boundary_kernels.mhc_boundary(out, streams, post, comb, hc.fn, hc.base, hc.scale, norm.weight,
                                           norm_eps=norm.eps, pdl="late" if release_late else None,
-                                          defer_sinkhorn=deferred, comb_pending=deferred, x16=buf, **self.consts)
+                                          defer_sinkhorn=deferred, comb_pending=deferred, x16=buf,
+                                          sinkhorn_in_registers=self.sinkhorn_in_registers, **self.consts)
         return self._filed(y, buf)
 
     def first(self, embedded, hc, norm, release_late: bool = False, deferred: bool = False, x16: bool = False):
@@ -51,11 +56,12 @@ class BoundaryStage:
         buf = self._x16(embedded, x16)
         y = boundary_kernels.mhc_first(embedded, hc.fn, hc.base, hc.scale, norm.weight, norm_eps=norm.eps,
                                        pdl="late" if release_late else None, defer_sinkhorn=deferred, x16=buf,
-                                       **self.consts)
+                                       sinkhorn_in_registers=self.sinkhorn_in_registers, **self.consts)
         return self._filed(y, buf)
 
     def last(self, out, streams, post, comb, final_norm, deferred: bool = False):
         """The post-norm hidden states after the last sublayer (`deferred`: `comb` is pending)."""
         return boundary_kernels.mhc_last(out, streams, post, comb, final_norm.weight, norm_eps=final_norm.eps,
                                          comb_pending=deferred, hc_eps=self.consts["hc_eps"],
-                                         sinkhorn_iters=self.consts["sinkhorn_iters"])
+                                         sinkhorn_iters=self.consts["sinkhorn_iters"],
+                                         sinkhorn_in_registers=self.sinkhorn_in_registers)

@@ -39,12 +39,6 @@ def _p2(x: int) -> int:
     return triton.next_power_of_2(max(1, int(x)))
 
 
-SINKHORN_IN_REGISTERS: bool | None = None
-"""n = 4 Sinkhorn as 16 register values (the GPU's path, each normalisation's reciprocal by the hardware's
-approximate `rcp`, within 1 ulp: the H200 sweep of 2026-12-04 timed 64 boundaries in a row at 8.13 -> 7.55 us
-each at 1 token against the division sequence) or as [n, n] tiles (the interpreter's: far fewer operations);
-None picks by device. Tests set it to check the register path (without `rcp`) on the CPU."""
-
 NUM_WARPS = 4
 """Warps per program (the finisher's collapse and norm spread over them; Sinkhorn runs on every thread)."""
 
@@ -74,11 +68,12 @@ class BoundaryPlan:
     finisher_tile: int
     """Columns of the finisher's collapse and norm tile; a row wider than one is stored and read back (FIN)."""
     sinkhorn_in_registers: bool
-    """n = 4 Sinkhorn as 16 register values (the GPU's form; the interpreter's is [n, n] tiles, far fewer
+    """n = 4 Sinkhorn as 16 register values (the GPU's form) or as [n, n] tiles (the interpreter's: far fewer
     operations)."""
     approximate_rcp: bool
-    """Each normalisation of the register form by the hardware's approximate reciprocal `rcp` (within 1 ulp;
-    GPUs only: the interpreter has no inline assembly)."""
+    """Each normalisation of the register form by the hardware's approximate reciprocal `rcp`, within 1 ulp (GPUs
+    only: the interpreter has no inline assembly). The H200 sweep of 2026-12-04 timed 64 boundaries in a row at
+    8.13 -> 7.55 us each at 1 token against the division sequence."""
 
     def __post_init__(self) -> None:
         if self.approximate_rcp and not self.sinkhorn_in_registers:
@@ -91,6 +86,7 @@ class BoundaryPlan:
 
     @property
     def grid(self) -> tuple[int, int]:
+        """The launch grid: (chunks, token_blocks)."""
         return self.chunks, self.token_blocks
 
     @property
@@ -106,11 +102,14 @@ class BoundaryPlan:
                     SK4=(2 if self.approximate_rcp else 1) if self.sinkhorn_in_registers else 0)
 
 
-def plan(T: int, D: int, n: int, on_gpu: bool, block_t: int | None = None, chunk: int | None = None) -> BoundaryPlan:
-    """The launch of T tokens of width D with n streams; `block_t` and `chunk` override the device's choices."""
+def plan(T: int, D: int, n: int, on_gpu: bool, block_t: int | None = None, chunk: int | None = None,
+         sinkhorn_in_registers: bool | None = None) -> BoundaryPlan:
+    """The launch of T tokens of width D with n streams; `block_t`, `chunk` and `sinkhorn_in_registers` (None:
+    registers on a GPU, tiles in the interpreter; the tests ask for registers there too) override the device's
+    choices."""
     rows = _p2(n + 3)
     w = rows * n
-    regs = on_gpu if SINKHORN_IN_REGISTERS is None else SINKHORN_IN_REGISTERS
+    regs = on_gpu if sinkhorn_in_registers is None else bool(sinkhorn_in_registers)
     if block_t is None:
         # On an H200 one token per program is fastest up to 16 tokens (the finisher's work is per
         # token block and runs on one SM; at 16 with deferred Sinkhorn, 12.2 us against 14.5 on
@@ -156,9 +155,10 @@ def finishes_by_scalars(p: BoundaryPlan, mode: int, n: int, D: int, defer: bool 
 
 def _launch(mode, out, streams, post, comb, fn, base, scale, w, new_streams, new_post, new_comb, x,
             hc_eps, rms_eps, norm_eps, sinkhorn_iters, post_mult, block_t, chunk, pdl, defer=False, pending_iters=0,
-            x16=None):
+            x16=None, sinkhorn_in_registers=None):
     """`defer`: the finisher leaves new_comb pending (one Sinkhorn iteration); `pending_iters`: the
-    iterations `comb` still needs (0: it is final); `x16`: a buffer for x in fp16 as well. `pdl` None launches
+    iterations `comb` still needs (0: it is final); `x16`: a buffer for x in fp16 as well; `block_t`, `chunk`
+    and `sinkhorn_in_registers`: the plan's overrides (`plan`). `pdl` None launches
     as a programmatic dependent wherever the device supports it (the H200 sweep of 2026-12-04 timed 64
     boundaries in a row at 8.6 -> 8.2 us each at 1 token, 11.6 -> 10.1 us at 8). Compiled without
     floating-point contraction, so that every compiled form gives the same bits."""
@@ -166,7 +166,7 @@ def _launch(mode, out, streams, post, comb, fn, base, scale, w, new_streams, new
     n = streams.shape[1] if new_streams is None else new_streams.shape[1]
     if not 1 <= T:
         raise ValueError("need at least one token")
-    p = plan(T, D, n, out.is_cuda, block_t, chunk)
+    p = plan(T, D, n, out.is_cuda, block_t, chunk, sinkhorn_in_registers)
     if p.token_blocks > MAX_TICKETS:
         raise ValueError(f"{T} tokens need {p.token_blocks} ticket counters (max {MAX_TICKETS})")
     for t in (new_streams, new_post, new_comb, x):
@@ -229,7 +229,7 @@ def mhc_boundary(
     out, streams, post, comb, fn, base, scale, norm_weight, *,
     hc_eps, rms_eps, norm_eps, sinkhorn_iters, post_mult,
     new_streams=None, new_post=None, new_comb=None, x=None, block_t=None, chunk=None,
-    pdl=None, defer_sinkhorn=False, comb_pending=False, x16=None,
+    pdl=None, defer_sinkhorn=False, comb_pending=False, x16=None, sinkhorn_in_registers=None,
 ):
     """(new_streams [T, n, D], new_post [T, n] fp32, new_comb [T, n, n] fp32, x [T, D]).
 
@@ -243,6 +243,7 @@ def mhc_boundary(
     chain of iterations then runs in that launch's chunk programs instead of this one's finisher.
     `x16`: a contiguous fp16 [T, D] buffer that receives x in fp16 too (exact where x is within fp16's
     range), for FP8 projections whose fp16 products read it (`glm5next.kernels.linear`'s `x16`).
+    `block_t`, `chunk`, `sinkhorn_in_registers`: the launch plan's overrides (`plan`; None: the device's choice).
     """
     T, n, D = streams.shape
     _check_mixer(fn, base, scale, n, D)
@@ -251,7 +252,7 @@ def mhc_boundary(
     new_streams, new_post, new_comb, x = _buffers(out, streams.dtype, n, new_streams, new_post, new_comb, x)
     _launch(0, _c(out), _c(streams), _c(post), _c(comb), _c(fn), _c(base), _c(scale), _c(norm_weight),
             new_streams, new_post, new_comb, x, hc_eps, rms_eps, norm_eps, sinkhorn_iters, post_mult, block_t, chunk,
-            pdl, defer_sinkhorn, sinkhorn_iters - 1 if comb_pending else 0, x16)
+            pdl, defer_sinkhorn, sinkhorn_iters - 1 if comb_pending else 0, x16, sinkhorn_in_registers)
     return new_streams, new_post, new_comb, x
 
 
@@ -259,24 +260,25 @@ def mhc_first(
     embedded, fn, base, scale, norm_weight, *,
     hc_eps, rms_eps, norm_eps, sinkhorn_iters, post_mult,
     streams=None, post=None, comb=None, x=None, block_t=None, chunk=None, pdl=None, defer_sinkhorn=False,
-    x16=None,
+    x16=None, sinkhorn_in_registers=None,
 ):
     """(streams [T, n, D], post, comb, x) of the first layer: n copies of `embedded` [T, D], pre, norm
-    (`defer_sinkhorn` and `x16` as in `mhc_boundary`)."""
+    (`defer_sinkhorn`, `x16` and the plan's overrides as in `mhc_boundary`)."""
     T, D = embedded.shape
     n = fn.shape[1] // D
     _check_mixer(fn, base, scale, n, D)
     streams, post, comb, x = _buffers(embedded, embedded.dtype, n, streams, post, comb, x)
     _launch(1, _c(embedded), None, None, None, _c(fn), _c(base), _c(scale), _c(norm_weight),
             streams, post, comb, x, hc_eps, rms_eps, norm_eps, sinkhorn_iters, post_mult, block_t, chunk, pdl,
-            defer_sinkhorn, x16=x16)
+            defer_sinkhorn, x16=x16, sinkhorn_in_registers=sinkhorn_in_registers)
     return streams, post, comb, x
 
 
 def mhc_last(out, streams, post, comb, final_norm_weight, *, norm_eps, hidden=None, block_t=None, chunk=None,
-             pdl=None, comb_pending=False, hc_eps=0.0, sinkhorn_iters=1):
+             pdl=None, comb_pending=False, hc_eps=0.0, sinkhorn_iters=1, sinkhorn_in_registers=None):
     """The post-final-norm hidden states [T, D]: hc_post, the mean of the (cast) streams, RMSNorm
-    (`comb_pending`: `comb` still needs its Sinkhorn iterations after the first, with `hc_eps`)."""
+    (`comb_pending`: `comb` still needs its Sinkhorn iterations after the first, with `hc_eps`, in the plan's
+    Sinkhorn form; the plan's overrides as in `mhc_boundary`)."""
     T, n, D = streams.shape
     if hidden is None:
         hidden = torch.empty(T, D, dtype=streams.dtype, device=streams.device)
@@ -284,5 +286,5 @@ def mhc_last(out, streams, post, comb, final_norm_weight, *, norm_eps, hidden=No
         raise ValueError("hidden must be contiguous")
     _launch(2, _c(out), _c(streams), _c(post), _c(comb), None, None, None, _c(final_norm_weight),
             None, None, None, hidden, hc_eps, 0.0, norm_eps, 1, 0.0, block_t, chunk, pdl,
-            pending_iters=sinkhorn_iters - 1 if comb_pending else 0)
+            pending_iters=sinkhorn_iters - 1 if comb_pending else 0, sinkhorn_in_registers=sinkhorn_in_registers)
     return hidden
