@@ -23,10 +23,13 @@ from typing import Callable
 import torch
 
 from ..config import DSA, KDA
+from ..forward import AttnMetadata, KdaState
+from ..model.kda import KdaProjections
 from ..model.mhc import hc_post
 from ..specialized_decode.boundary import BoundaryStage
 from ..specialized_decode.copies import Fp16Copies
 from ..specialized_decode.dense_mlp import DenseMlpStage
+from ..specialized_decode.kda import KdaStage
 from ..specialized_decode.linear import (DSA_GROUP, DSA_SINGLES, KDA_GROUP, KDA_SINGLES, RELEASE_LATE, ProjectionStage,
                                           _get)
 from ..specialized_decode.logits import LogitsStage
@@ -231,6 +234,31 @@ def moe_case(model, m: int) -> Case:
     return Case("moe", m, total // max(len(calls), 1), runs, len(calls))
 
 
+def kda_case(model, m: int) -> Case:
+    """Every KDA layer's middle (conv, gates, delta rule, gated norm) on random projections of m decode rows,
+    each row its own state slot (fp32 states read and written once: the bytes counted), every instance
+    on states of its own so that the replay streams them from HBM: the stage against the stock
+    `KimiDeltaAttention.mix`."""
+    cfg, dev, dt = model.config, model.embed_tokens.device, model.embed_tokens.dtype
+    gen = torch.Generator(device=dev).manual_seed(m + 5)
+    z = torch.zeros(m, dtype=torch.int64, device=dev)
+    md = AttnMetadata(0, 0, m, m, z, z, z, torch.arange(m, device=dev), z.view(m, 1), z + 1)
+    layers = [layer.self_attn for layer in model.layers if layer.layer_kind == KDA and KdaStage.supports(layer.self_attn)]
+    per = 2 * m * layers[0].num_heads * layers[0].head_dim ** 2 * 4 if layers else 0
+    calls = []
+    for _ in range(_copies(per * len(layers))):
+        for attn in layers:
+            h, d = attn.num_heads, attn.head_dim
+            p = KdaProjections(*(torch.randn(m, n, generator=gen, device=dev).to(dt)
+                                 for n in (h * d, h * d, h * d, h, h * d, h * d)))
+            state = KdaState(torch.zeros(m + 1, 3 * h * d, attn.conv_kernel - 1, dtype=dt, device=dev),
+                             torch.zeros(m + 1, h, d, d, device=dev))
+            calls.append((attn, KdaStage(attn), p, state))
+    runs = {"fused": lambda: [stage(p, md, state) for _, stage, p, state in calls],
+            STOCK: lambda: [attn.mix(p, md, state) for attn, _, p, state in calls]}
+    return Case("kda", m, per, runs, len(calls))
+
+
 def logits_case(model, m: int) -> Case:
     dev, dt = model.embed_tokens.device, model.embed_tokens.dtype
     h = torch.randn(m, model.config.hidden_size, generator=torch.Generator(device=dev).manual_seed(m), device=dev).to(dt)
@@ -245,6 +273,7 @@ def stage_cases(model, m: int, stages=None) -> list[Case]:
     builders = {
         "boundary": lambda: boundary_case(model, m),
         "kda_proj": lambda: _projection_case(model, m, KDA, "kda_proj"),
+        "kda": lambda: kda_case(model, m),
         "dsa_proj": lambda: _projection_case(model, m, DSA, "dsa_proj"),
         "dense_mlp": lambda: _mlp_case(model, m, "dense_mlp"),
         "shared_expert": lambda: _mlp_case(model, m, "shared_expert"),
@@ -252,7 +281,7 @@ def stage_cases(model, m: int, stages=None) -> list[Case]:
         "logits_head": lambda: logits_case(model, m),
     }
     kinds = {layer.layer_kind for layer in model.layers}
-    has = {"kda_proj": KDA in kinds, "dsa_proj": DSA in kinds,
+    has = {"kda_proj": KDA in kinds, "kda": KDA in kinds, "dsa_proj": DSA in kinds,
            "dense_mlp": any(not layer.mlp_is_moe for layer in model.layers),
            "shared_expert": any(layer.mlp_is_moe for layer in model.layers),
            "moe": any(layer.mlp_is_moe and MoeStage.supports(layer.mlp) for layer in model.layers),
