@@ -133,13 +133,22 @@ def test_auto_stays_stock_under_tensor_parallelism(tiny_fp32, tmp_path, monkeypa
 def test_the_shipped_h200_policy_covers_every_captured_size():
     from glm5next.runtime.runner import DEFAULT_CAPTURE_SIZES
 
-    policy = Policy.for_gpu("NVIDIA H200")
-    assert policy is not None and Policy.for_gpu("NVIDIA A100-SXM4-80GB", (8, 0)) is None
-    assert policy.source == "glm5next/specialized_decode/policies/nvidia-h200.json"
-    # Any other Hopper GPU runs the default table; the H200's own entries win over it stage by stage.
-    default = Policy.for_gpu("NVIDIA H100 80GB HBM3", (9, 0))
+    own = Policy.for_gpu("NVIDIA H200")
+    assert own is not None and Policy.for_gpu("NVIDIA A100-SXM4-80GB", (8, 0)) is None
+    assert own.source == "glm5next/specialized_decode/policies/nvidia-h200.json"
+    # The H200's own entries win over the Hopper default stage by stage; a stage its table lacks (the KDA
+    # stage, measured on an H100) comes from the default.
+    policy = Policy.for_gpu("NVIDIA H200", (9, 0))
+    assert policy.source == ("glm5next/specialized_decode/policies/nvidia-h200.json over "
+                             "glm5next/specialized_decode/policies/sm90.json")
+    assert all(policy.tables[s] == t for s, t in own.tables.items()) and "kda" not in own.tables
+    # Any other Hopper GPU runs the default table.
+    default = Policy.for_gpu("NVIDIA H800", (9, 0))
     assert default.source == "glm5next/specialized_decode/policies/sm90.json" and default.tables == policy.tables
-    assert Policy.for_gpu("NVIDIA H200", (9, 0)).tables == policy.tables
+    # The H100's own table (the MoE and KDA stages measured on it) over the default.
+    h100 = Policy.for_gpu("NVIDIA H100 80GB HBM3", (9, 0))
+    assert h100.tables["moe"] == {1: "grouped", 8: "grouped", 64: "grouped"} and h100("moe", 4) == "grouped"
+    assert h100.tables["boundary"] == policy.tables["boundary"]
     for stage in STAGES:
         # Every captured size was measured (a measured "stock" is an entry too)...
         assert set(DEFAULT_CAPTURE_SIZES) <= set(policy.tables[stage]), stage
