@@ -54,9 +54,10 @@ class KdaPlan:
 
 def plan_kda(rows: int, heads: int, head_dim: int, sms: int, block_v: int | None = None,
              num_warps: int | None = None) -> KdaPlan:
-    """One program per (row, head) on a GPU of `sms` SMs: on the H100 (2026-12-06) the whole head in one
-    program beat every split of its value columns at 1-64 rows (a split pays a second round of memory
-    traffic for the norm; one row stays latency-bound either way). `block_v` / `num_warps` override."""
+    """One program per (row, head) on a GPU of `sms` SMs: on the H100 (2026-12-06,
+    bench/results/2026-12-06-h100-kda-stage-first.log) the whole head in one program was the fastest form
+    at 2-64 rows and within noise at 1 row (latency-bound), against every split of the value columns.
+    `block_v` / `num_warps` override (benchmarks, tests)."""
     block_v = head_dim if block_v is None else block_v
     if head_dim % block_v or block_v & (block_v - 1):
         raise ValueError(f"block_v={block_v} must be a power of two dividing head_dim={head_dim}")
