@@ -15,11 +15,17 @@ from glm5next.specialized_decode.boundary import BoundaryStage
 SIZES = (1, 2, 4, 8)
 
 
+SLOW_IN_THE_INTERPRETER = {"kda"}
+"""Stages whose interpreted kernels cost ~1 s a layer call here: on only where a test asks for them (the
+kernel's own tests cover it in depth)."""
+
+
 def policy(**choices):
-    """Every stage on at every size, with `choices` overriding a stage's choice (None: stock)."""
+    """Every stage on at every size (those in SLOW_IN_THE_INTERPRETER only when asked), with `choices`
+    overriding a stage's choice (None: stock)."""
     tables = {}
     for stage, options in STAGES.items():
-        choice = choices.get(stage, options[0])
+        choice = choices.get(stage, None if stage in SLOW_IN_THE_INTERPRETER else options[0])
         if choice is not None:
             tables[stage] = {str(m): choice for m in SIZES}
     return Policy(tables)
@@ -232,8 +238,9 @@ def decode_alike(model, lens, executor, steps):
 def test_planned_step_equals_stock_step(tiny_fp32, choice):
     lens = [5, 40, 70]  # the long ones make the indexer drop pools
     mlp = "fused-overlap" if choice == "grouped-overlap" else "fused"  # overlapped forms together
-    ex = SpecializedDecode(tiny_fp32, policy(kda_proj=choice, dsa_proj=choice, dense_mlp=mlp, shared_expert=mlp),
-                           SIZES)
+    kda = "fused" if choice == "grouped" else None  # the KDA stage behind one projection form
+    ex = SpecializedDecode(tiny_fp32, policy(kda_proj=choice, dsa_proj=choice, dense_mlp=mlp, shared_expert=mlp,
+                                             kda=kda), SIZES)
     planned, stock = decode_alike(tiny_fp32, lens, ex, 3)
     for a, b in zip(planned.cache.tensors(), stock.cache.tensors()):
         close(a[:-1], b[:-1])  # every cache write but the padding row's scratch
@@ -340,6 +347,25 @@ def test_greedy_tokens_identical_over_64_planned_steps(tiny_fp32):
             out.append(nxt)
         runs.append(out)
     assert ex.planned_steps == 64  # every decode step ran the planned path (3 rows padded to 4)
+    assert runs[0] == runs[1]
+
+
+def test_greedy_tokens_identical_with_the_kda_stage(tiny_fp32):
+    """The KDA stage on top of every other stage: greedy tokens identical to stock over 4 planned steps (64
+    in the test above without it: the interpreted KDA kernel costs ~1 s a layer call here)."""
+    ex = SpecializedDecode(tiny_fp32, policy(kda="fused"), SIZES)
+    assert sorted(ex.kda) == [i for i, layer in enumerate(tiny_fp32.layers) if layer.layer_kind == "kda"]
+    lens = [9, 33, 2]
+    runs = []
+    for runner, seqs in (prefilled(tiny_fp32, lens, ex), prefilled(tiny_fp32, lens)):
+        nxt, out = [7, 8, 9], []
+        for _ in range(4):
+            for s, t in zip(seqs, nxt):
+                s.token_ids.append(t)
+            nxt = runner.step(seqs).argmax(-1).tolist()
+            out.append(nxt)
+        runs.append(out)
+    assert ex.planned_steps == 4
     assert runs[0] == runs[1]
 
 
