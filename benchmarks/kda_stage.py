@@ -17,30 +17,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import torch
 
-from glm5next.bench.floor import capture, measure_read_bandwidth, time_replays
+from glm5next.bench.floor import measure_read_bandwidth
 from glm5next.bench.slice import build_slice_model, slice_config
 from glm5next.config import KDA_L2_EPS
 from glm5next.forward import AttnMetadata, KdaState
 from glm5next.kernels.kda import KdaScratch, KdaWeights, kda_decode, kda_decode_reference, plan_kda, sm_count
 from glm5next.model.kda import KdaProjections
+from moe_stage import log, median_us
 
 ROTATE_BYTES = 256 * 2**20
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def median_us(fn, calls: int, replays: int = 30) -> float:
-    graph = capture(fn)
-    us = statistics.median(time_replays(graph, replays, 3)) * 1e3 / calls
-    del graph
-    return us
 
 
 def metadata(rows: int, q: int, index: torch.Tensor) -> AttnMetadata:

@@ -334,39 +334,32 @@ def test_only_boundaries_before_overlapped_groups_release_late(tiny_fp32, monkey
         assert launches.count(("down", True)) == dense and launches.count(("down", None)) >= moe
 
 
-def test_greedy_tokens_identical_over_64_planned_steps(tiny_fp32):
-    ex = SpecializedDecode(tiny_fp32, policy(), SIZES)
+def greedy_tokens_alike(model, ex, steps: int) -> None:
+    """Greedy tokens of `steps` planned decode steps (3 rows padded to 4) equal to the stock ones."""
     lens = [9, 33, 2]
     runs = []
-    for runner, seqs in (prefilled(tiny_fp32, lens, ex), prefilled(tiny_fp32, lens)):
+    for runner, seqs in (prefilled(model, lens, ex), prefilled(model, lens)):
         nxt, out = [7, 8, 9], []
-        for _ in range(64):
+        for _ in range(steps):
             for s, t in zip(seqs, nxt):
                 s.token_ids.append(t)
             nxt = runner.step(seqs).argmax(-1).tolist()
             out.append(nxt)
         runs.append(out)
-    assert ex.planned_steps == 64  # every decode step ran the planned path (3 rows padded to 4)
+    assert ex.planned_steps == steps  # every decode step ran the planned path
     assert runs[0] == runs[1]
+
+
+def test_greedy_tokens_identical_over_64_planned_steps(tiny_fp32):
+    greedy_tokens_alike(tiny_fp32, SpecializedDecode(tiny_fp32, policy(), SIZES), 64)
 
 
 def test_greedy_tokens_identical_with_the_kda_stage(tiny_fp32):
-    """The KDA stage on top of every other stage: greedy tokens identical to stock over 4 planned steps (64
-    in the test above without it: the interpreted KDA kernel costs ~1 s a layer call here)."""
+    """The KDA stage on top of every other stage, over 4 planned steps (64 in the test above without it: the
+    interpreted KDA kernel costs ~1 s a layer call here)."""
     ex = SpecializedDecode(tiny_fp32, policy(kda="fused"), SIZES)
     assert sorted(ex.kda) == [i for i, layer in enumerate(tiny_fp32.layers) if layer.layer_kind == "kda"]
-    lens = [9, 33, 2]
-    runs = []
-    for runner, seqs in (prefilled(tiny_fp32, lens, ex), prefilled(tiny_fp32, lens)):
-        nxt, out = [7, 8, 9], []
-        for _ in range(4):
-            for s, t in zip(seqs, nxt):
-                s.token_ids.append(t)
-            nxt = runner.step(seqs).argmax(-1).tolist()
-            out.append(nxt)
-        runs.append(out)
-    assert ex.planned_steps == 4
-    assert runs[0] == runs[1]
+    greedy_tokens_alike(tiny_fp32, ex, 4)
 
 
 def test_projection_case_runs_every_choice_after_its_boundary(tiny_fp32, monkeypatch):
