@@ -42,3 +42,9 @@ def served_engine(tiny_dir):
                                 seed=0)
     yield engine
     asyncio.run(engine.shutdown())
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `slow` run first: under the CI's two workers (`.ci/run`) one worker starts the longest
+    test at once while the other takes the rest, instead of the longest test starting near the end."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

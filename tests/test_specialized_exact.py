@@ -350,6 +350,7 @@ def greedy_tokens_alike(model, ex, steps: int) -> None:
     assert runs[0] == runs[1]
 
 
+@pytest.mark.slow
 def test_greedy_tokens_identical_over_64_planned_steps(tiny_fp32):
     greedy_tokens_alike(tiny_fp32, SpecializedDecode(tiny_fp32, policy(), SIZES), 64)
 
