@@ -25,7 +25,7 @@ from glm5next.bench.floor import measure_read_bandwidth
 from glm5next.bench.slice import build_slice_model, slice_config
 from glm5next.config import KDA_L2_EPS
 from glm5next.forward import AttnMetadata, KdaState
-from glm5next.kernels.kda import KdaScratch, KdaWeights, kda_decode, kda_decode_reference, plan_kda, sm_count
+from glm5next.kernels.kda import KdaScratch, KdaWeights, kda_decode, kda_decode_reference, plan_kda
 from glm5next.model.kda import KdaProjections
 from moe_stage import log, median_us
 
@@ -95,7 +95,7 @@ def main() -> None:
 
         ps = [proj() for _ in range(rotate)]
         outs = [torch.empty(t, hk, dtype=torch.bfloat16, device=dev) for _ in range(rotate)]
-        plan = plan_kda(rows, h, d, sm_count(dev))
+        plan = plan_kda(d)
         ver = verify if q > 1 else None
         writes_state = q == 1
         nbytes = (rows * state_bytes * (2 if writes_state else 1) + rows * 3 * hk * keep * 2 * (2 if writes_state else 1)
@@ -117,7 +117,7 @@ def main() -> None:
             row["block_v"] = {}
             for bv in (int(x) for x in args.block_v.split(",")):
                 for nw in (int(x) for x in args.warps.split(",")):
-                    alt = plan_kda(rows, h, d, sm_count(dev), block_v=bv, num_warps=nw)
+                    alt = plan_kda(d, block_v=bv, num_warps=nw)
                     row["block_v"][f"{bv}/{nw}w"] = round(median_us(lambda alt=alt: stage(alt), rotate), 2)
         if fla is not None and q == 1:  # (its verify form takes per-token state indices: not compared)
             try:

@@ -58,7 +58,7 @@ def test_kernel_matches_reference_writing_state(h, d, keep, q, rows, block_v):
     c_want, s_want = conv.clone(), state.clone()
     want = kda_decode_reference(*p, c_want, s_want, index, w, q)
     out = torch.full_like(want, float("nan"))
-    got = kda_decode(*p, conv, state, index, w, q, plan_kda(rows, h, d, 8, block_v), out=out)
+    got = kda_decode(*p, conv, state, index, w, q, plan_kda(d, block_v), out=out)
     assert got is out and not got.isnan().any()
     assert rel(got, want) < 1e-5
     assert rel(state, s_want) < 1e-5 and torch.equal(conv, c_want)
@@ -105,7 +105,7 @@ def test_verify_then_commit_equals_decoding_the_accepted_tokens(block_v):
     v_want = {k: v.clone() for k, v in verify.items()}
     want = kda_decode_reference(*p, conv.clone(), state.clone(), index, w, q, v_want)
     out = torch.full_like(want, float("nan"))
-    got = kda_decode(*p, conv, state, index, w, q, plan_kda(rows, h, d, 8, block_v), verify, out=out)
+    got = kda_decode(*p, conv, state, index, w, q, plan_kda(d, block_v), verify, out=out)
     assert rel(got, want) < 1e-5
     assert torch.equal(conv, c0) and torch.equal(state, s0)
     for name in v_want:
@@ -117,7 +117,7 @@ def test_verify_then_commit_equals_decoding_the_accepted_tokens(block_v):
         c1, s1 = c0.clone(), s0.clone()
         for j in range(n):
             tok = r * q + j
-            kda_decode(*(x[tok:tok + 1] for x in p), c1, s1, index[r:r + 1], w, 1, plan_kda(1, h, d, 8, block_v))
+            kda_decode(*(x[tok:tok + 1] for x in p), c1, s1, index[r:r + 1], w, 1, plan_kda(d, block_v))
         decoded.append((c1[int(index[r])], s1[int(index[r])]))
     # The commit kernel: bit for bit the decode's caches (rows with 0 accepted stay as they were).
     c2, s2 = conv.clone(), state.clone()
@@ -138,11 +138,11 @@ def test_bad_shapes_are_refused():
     p = random_step(3, h, d)
     conv, state, _ = random_cache(4, h, d, keep)
     with pytest.raises(ValueError, match="whole rows"):
-        kda_decode(*p, conv, state, torch.tensor([0]), w, 2, plan_kda(1, h, d, 8))
+        kda_decode(*p, conv, state, torch.tensor([0]), w, 2, plan_kda(d))
     with pytest.raises(ValueError, match="state indices"):
-        kda_decode(*p, conv, state, torch.tensor([0, 1]), w, 1, plan_kda(3, h, d, 8))
+        kda_decode(*p, conv, state, torch.tensor([0, 1]), w, 1, plan_kda(d))
     with pytest.raises(ValueError, match="block_v"):
-        plan_kda(1, h, d, 8, block_v=12)
+        plan_kda(d, block_v=12)
 
 
 @pytest.mark.gpu
@@ -161,7 +161,7 @@ def test_real_shapes_bf16_against_fp32(rows, q):
     out = torch.full((rows * q, h * d), float("nan"), dtype=torch.bfloat16, device=dev)
     for bv in (128, 64, 32, 16):
         c, s = conv.clone(), state.clone()
-        got = kda_decode(*p, c, s, index, w, q, plan_kda(rows, h, d, 132, bv), verify, out=out)
+        got = kda_decode(*p, c, s, index, w, q, plan_kda(d, bv), verify, out=out)
         torch.cuda.synchronize()
         assert rel(got, want) < 2e-2, bv
         if q == 1:
@@ -180,7 +180,7 @@ def test_graph_replays_and_commit_bit_for_bit():
     h, d, keep, rows, q = 64, 128, 3, 4, 3
     dev = "cuda"
     w = random_weights(h, d, keep, device=dev)
-    plan = plan_kda(rows, h, d, 132)
+    plan = plan_kda(d)
     conv, state, verify = random_cache(rows + 2, h, d, keep, qmax=q, dtype=torch.bfloat16, device=dev)
     index = torch.arange(rows, device=dev) + 1
     steps = [random_step(rows, h, d, torch.bfloat16, dev, seed=10 + i) for i in range(3)]
@@ -203,7 +203,7 @@ def test_graph_replays_and_commit_bit_for_bit():
     # verify q tokens a row, commit 2 of them; against decoding those 2 one at a time
     p = random_step(rows * q, h, d, torch.bfloat16, dev, seed=20)
     c0, s0 = c.clone(), s.clone()
-    kda_decode(*p, c, s, index, w, q, plan_kda(rows, h, d, 132), verify)
+    kda_decode(*p, c, s, index, w, q, plan_kda(d), verify)
     accepted = torch.full((rows,), 2, device=dev)
     kda_commit(c, s, verify, index, accepted, plan.block_v)
     for j in range(2):

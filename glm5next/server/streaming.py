@@ -54,8 +54,8 @@ async def _disconnected(receive) -> None:
         pass
 
 
-async def unless_disconnected(work: Awaitable, receive):
-    """The result of `work`; if the client goes away first, `work` is cancelled and ClientGone raised."""
+async def _until_disconnected(work: Awaitable, receive) -> asyncio.Future:
+    """Run `work` until it ends or the client goes away first (then `work` is cancelled): its task, done."""
     task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_disconnected(receive))
     try:
@@ -65,6 +65,12 @@ async def unless_disconnected(work: Awaitable, receive):
             if not t.done():
                 t.cancel()
         await asyncio.gather(task, gone, return_exceptions=True)
+    return task
+
+
+async def unless_disconnected(work: Awaitable, receive):
+    """The result of `work`; if the client goes away first, `work` is cancelled and ClientGone raised."""
+    task = await _until_disconnected(work, receive)
     if task.cancelled():
         raise ClientGone()
     return task.result()
@@ -80,15 +86,7 @@ class EventStream:
     async def __call__(self, scope, receive, send) -> None:
         try:
             await send({"type": "http.response.start", "status": 200, "headers": EVENT_STREAM_HEADERS})
-            pump = asyncio.ensure_future(self._pump(send))
-            gone = asyncio.ensure_future(_disconnected(receive))
-            try:
-                await asyncio.wait({pump, gone}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for t in (pump, gone):
-                    if not t.done():
-                        t.cancel()
-                await asyncio.gather(pump, gone, return_exceptions=True)
+            pump = await _until_disconnected(self._pump(send), receive)
             if not pump.cancelled() and pump.exception() is not None:
                 raise pump.exception()
         finally:

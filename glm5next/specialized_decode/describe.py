@@ -93,7 +93,7 @@ def stage_launches(w: dict, config: Glm5NextConfig, stage: str, choice: str, T: 
         if KDA not in kinds:
             return []
         h, d = config.linear_num_heads, config.linear_head_dim
-        p = plan_kda(T, h, d, sms)
+        p = plan_kda(d)
         return [dict(launch="conv+gates+delta+norm", grid=(T, h, d // p.block_v), block_v=p.block_v,
                      warps=p.num_warps)]
     if stage == "moe":

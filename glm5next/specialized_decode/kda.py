@@ -14,7 +14,7 @@ import torch
 
 from ..config import KDA_L2_EPS
 from ..forward import AttnMetadata, KdaState
-from ..kernels.kda import KdaPlan, KdaScratch, KdaWeights, kda_decode, plan_kda, sm_count
+from ..kernels.kda import KdaScratch, KdaWeights, kda_decode, plan_kda
 from ..model.kda import KdaProjections, KimiDeltaAttention
 
 
@@ -25,7 +25,7 @@ class KdaStage:
         self.attn = attn
         self.weights = KdaWeights.of(attn, KDA_L2_EPS)
         self.scratch = KdaScratch()
-        self._plans: dict[int, KdaPlan] = {}
+        self.launch = plan_kda(attn.head_dim)
 
     @staticmethod
     def supports(attn: KimiDeltaAttention) -> bool:
@@ -37,11 +37,6 @@ class KdaStage:
     def runs(md: AttnMetadata) -> bool:
         """Whether the stage takes this step: decode rows only (a verify filed as prefills runs stock)."""
         return md.num_prefills == 0 and md.num_decodes > 0
-
-    def plan(self, rows: int) -> KdaPlan:
-        if rows not in self._plans:
-            self._plans[rows] = plan_kda(rows, self.attn.num_heads, self.attn.head_dim, sm_count(self.weights.conv.device))
-        return self._plans[rows]
 
     def __call__(self, p: KdaProjections, md: AttnMetadata, state: KdaState) -> torch.Tensor:
         """The o_proj's input [T, H * V] of the step's projections `p`; advances (or, verifying, keeps)
@@ -56,4 +51,4 @@ class KdaStage:
                 raise RuntimeError(f"a {q}-token verify needs a cache built with verify_tokens >= {q}")
             verify = state.verify
         return kda_decode(p.q, p.k, p.v, p.b, p.f, p.g, state.conv, state.recurrent, md.state_indices[:rows],
-                          self.weights, q, self.plan(rows), verify, scratch=self.scratch)
+                          self.weights, q, self.launch, verify, scratch=self.scratch)

@@ -15,7 +15,7 @@ import triton
 from .kernel import kda_commit_kernel, kda_decode_kernel
 from .reference import kda_decode_reference
 
-__all__ = ["KdaPlan", "KdaScratch", "KdaWeights", "kda_commit", "kda_decode", "kda_decode_reference", "plan_kda", "sm_count"]
+__all__ = ["KdaPlan", "KdaScratch", "KdaWeights", "kda_commit", "kda_decode", "kda_decode_reference", "plan_kda"]
 
 
 @dataclass(frozen=True)
@@ -52,22 +52,15 @@ class KdaPlan:
         return {"block_v": self.block_v, "num_warps": self.num_warps}
 
 
-def plan_kda(rows: int, heads: int, head_dim: int, sms: int, block_v: int | None = None,
-             num_warps: int | None = None) -> KdaPlan:
-    """One program per (row, head) on a GPU of `sms` SMs: on the H100 (2026-12-06,
-    bench/results/2026-12-06-h100-kda-stage-first.log) the whole head in one program was the fastest form
-    at 2-64 rows and within noise at 1 row (latency-bound), against every split of the value columns.
+def plan_kda(head_dim: int, block_v: int | None = None, num_warps: int | None = None) -> KdaPlan:
+    """One program per (row, head): on the H100 (2026-12-06, bench/results/2026-12-06-h100-kda-stage-first.log)
+    the whole head in one program was the fastest form at 2-64 rows and within noise at 1 row (latency-bound),
+    against every split of the value columns, so the plan does not depend on the rows or the GPU.
     `block_v` / `num_warps` override (benchmarks, tests)."""
     block_v = head_dim if block_v is None else block_v
     if head_dim % block_v or block_v & (block_v - 1):
         raise ValueError(f"block_v={block_v} must be a power of two dividing head_dim={head_dim}")
     return KdaPlan(block_v, num_warps or 4)
-
-
-def sm_count(device: torch.device | str) -> int:
-    """The SMs of a CUDA device (8 elsewhere: the interpreter's plans stay small)."""
-    device = torch.device(device)
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
 def _scratch(rows: int, tokens: int, heads: int, nv: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,7 +145,7 @@ def kda_commit(conv: torch.Tensor, state: torch.Tensor, verify: dict[str, torch.
     _, h, d, _ = state.shape
     keep = conv.shape[-1]
     win, vk = verify["window"], verify["k"]
-    block_v = block_v or plan_kda(rows, h, d, sm_count(state.device)).block_v
+    block_v = block_v or plan_kda(d).block_v
     kda_commit_kernel[(rows, h, d // block_v)](
         state, conv, slots, accepted, win, vk, verify["v"], verify["g"], verify["beta"], win.shape[-1], vk.shape[1],
         h, K=d, V=d, KEEP=keep, TAPS=triton.next_power_of_2(keep), BLOCK_V=block_v, num_warps=4)
