@@ -10,8 +10,9 @@ stage object itself, or the stock module where the policy says stock at this tok
 - the attention sublayer: where the projection stage runs (`ProjectionStage`), its projections
   (`kda` / `dsa`, returning what the stock `project` piece returns), else the stock `project`; then
   the middle piece: in a KDA layer the KDA stage (`KdaStage`: conv, gates, recurrence, norm in one
-  launch) or the stock `KimiDeltaAttention.mix`, in a DSA layer the stock `SparseMLA.attention`
-  (cache writes, indexer, sparse attention); then the o_proj (`kda_output` / `dsa_output`, the DSA
+  launch) or the stock `KimiDeltaAttention.mix`, in a DSA layer the DSA stage (`DsaStage`: pool scores,
+  top-k, sparse attention and value-up) or the stock `SparseMLA.attention` (cache writes, indexer,
+  sparse attention); then the o_proj (`kda_output` / `dsa_output`, the DSA
   values' cast included, or the stock one); where no stage runs any piece, the stock sublayer;
 - the FFN: the MoE stage (router, routed and shared experts), the dense MLP stage, or the shared
   expert stage added to the stock router and routed experts (`MoE.routed_experts`); else the

@@ -65,6 +65,8 @@ class DsaPlan:
     block_r: int
     block_v: int
     num_warps: int = 4
+    attend_warps: int = 8
+    """Warps of the attention launch, whose [heads, R] context and [block_n, R] latent tile are its largest."""
 
     def describe(self) -> dict:
         return dict(self.__dict__)
@@ -87,7 +89,7 @@ def plan_dsa(tokens: int, heads: int, n_pools: int, topk_pools: int, kpool: int,
     most = max(1, -(-(topk_pools * kpool + kpool - 1) // 128))
     kv_splits = max(1, min(most, -(-2 * sms // (tokens * groups))))
     p = dict(score_splits=score_splits, block_p=block_p, select_block=1024 if on_gpu else 64,
-             heads_per_program=heads_per_program, kv_splits=kv_splits, block_n=32 if on_gpu else 16,
+             heads_per_program=heads_per_program, kv_splits=kv_splits, block_n=16,
              block_m=min(64, _pow2(tokens)), block_k=64 if on_gpu else 32, block_r=128 if on_gpu else 64,
              block_v=64 if on_gpu else 32)
     p.update(overrides)
@@ -202,7 +204,7 @@ def sparse_attention(q: torch.Tensor, selection: torch.Tensor, count: torch.Tens
         qlat, selection, count, positions, slots, token_to_seq, block_tables, latent, acc, ml,
         selection.stride(0), block_tables.stride(0), n_pools, h, r, w.scale,
         KS=selection.shape[1], KP=w.kpool, BS=bs, HEADS=hp, RP=_pow2(r), BLOCK_N=plan.block_n, SPLITS=splits,
-        IEEE=ieee, num_warps=plan.num_warps)
+        IEEE=ieee, num_warps=plan.attend_warps)
     out = torch.empty(t, h, v, dtype=torch.float32, device=dev) if out is None else out
     if out.shape != (t, h, v) or not out.is_contiguous():
         raise ValueError(f"values must be [{t}, {h}, {v}] contiguous")

@@ -95,7 +95,7 @@ def select_pools_kernel(
         prefix = tl.full([], 0, tl.int64)
         need = k
         for rnd in tl.static_range(4):
-            shift: tl.constexpr = 24 - 8 * rnd
+            shift = 24 - 8 * rnd
             hist = tl.zeros([256], dtype=tl.int32)
             for c in range(0, nvis, BLOCK):
                 i = c + tl.arange(0, BLOCK)
