@@ -178,7 +178,7 @@ def main() -> None:
                 f"stage {row['stage_us']:.1f} us ({100 * row['stage_bw_fraction']:.0f} %; indexer "
                 f"{row['indexer_us']:.1f}, attention {row['attention_us']:.1f}), stock {stock} us; rel err "
                 f"{row['rel_err_vs_stock']:.1e}, same pools {100 * row['same_selection']:.0f} %")
-        del cache, stages[1:]
+        cache = stages = None  # free this context's caches before the next one's
         torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "w") as f:

@@ -111,20 +111,22 @@ def test_forced_ties_go_to_the_lower_pool():
 # ---------------------------------------------------------------- attention
 @pytest.mark.parametrize("h,splits", [(3, 1), (5, 3), (4, 2)], ids=["odd_heads", "odd_heads_three_splits", "two"])
 def test_sparse_attention_matches_reference(h, splits):
-    kp, bs, k, width, blocks = 4, 16, 8, 8, 26
+    kp, bs, k, width, blocks = 4, 16, 8, 8, 34
     n, r, v = 32, 48, 24  # widths below the tiles: every mask is exercised
     w = random_layer(h, n, r, v, kp, k)
     latent, _ = random_caches(blocks, bs, r, 16, kp, seed=6)
-    pos, seqs, slots, tables = step([127, 2, 40, 93, 5], [0, 1, 0, 1, 2], [5, 9, -1, 11, 2], width, blocks, seed=7)
+    pos, seqs, slots, tables = step([127, 2, 40, 93, 5, 3], [0, 1, 0, 1, 2, 3], [5, 9, -1, 11, 2, 4], width, blocks,
+                                    seed=7)
     t = pos.shape[0]
     q = torch.randn(t, h, n, generator=torch.Generator().manual_seed(8))
     # A selection as the stock top-k leaves it, then a reused one holding -1, pools not yet whole for the
-    # token, and pools past the block table: each is skipped.
+    # token, and pools past the block table: each is skipped. The last token (position 3, no tail) is left
+    # with no row by the reused one: it attends its sequence's first row, as the stock module does.
     sel = torch.tensor([[0, 3, 4, 9, 17, 20, 25, 31], [-1] * 8, [-1] * 8, [1, 2, 5, 6, 7, 11, 22, 23],
-                        [0, -1, -1, -1, -1, -1, -1, -1]])
+                        [0, -1, -1, -1, -1, -1, -1, -1], [0, -1, -1, -1, -1, -1, -1, -1]])
     reused = torch.tensor([[31, -1, 5, 40, 2, 2, 6, 7]] * t)
     plan = plan_dsa(t, h, width * bs // kp, k, kp, 8, on_gpu=False, kv_splits=splits, block_n=16)
-    for selection, count in ((sel, torch.tensor([8, 0, 0, 8, 1], dtype=torch.int32)),
+    for selection, count in ((sel, torch.tensor([8, 0, 0, 8, 1, 1], dtype=torch.int32)),
                              (reused, torch.full((t,), 8, dtype=torch.int32))):
         out = torch.full((t, h, v), float("nan"))
         got = sparse_attention(q, selection, count, pos, slots, seqs, tables, latent, w, plan, out=out)
@@ -132,6 +134,8 @@ def test_sparse_attention_matches_reference(h, splits):
         assert got is out and not got.isnan().any()
         assert rel(got, want) < 1e-5
         assert not got[2].any()  # the padded row
+    first = latent[tables[3, 0], 0]
+    assert rel(got[5], torch.einsum("r,hrv->hv", first, w.w_uv_t)) < 1e-5
 
 
 # ---------------------------------------------------------------- the stage against the stock module
@@ -144,7 +148,8 @@ def _stage_inputs(attn, config, rows, q, contexts, pad_rows, bs=16, seed=9):
     g = torch.Generator().manual_seed(seed)
     r, d = config.kv_lora_rank, config.index_head_dim
     cache = DsaCache(torch.randn(blocks + 1, bs, r, generator=g), torch.randn(blocks + 1, bs, d, generator=g),
-                     torch.randn(blocks + 1, bs, d, generator=g), torch.randn(blocks + 1, bs // 4, d, generator=g) * 0.5)
+                     torch.randn(blocks + 1, bs, d, generator=g),
+                     torch.randn(blocks + 1, bs // 4, d, generator=g) * 0.5)
     perm = torch.randperm(blocks, generator=g).tolist()
     tables = [perm[i * width:(i + 1) * width] for i in range(rows)]
     states = [-1 if i in pad_rows else i for i in range(rows)]
@@ -171,7 +176,8 @@ def test_stage_equals_stock_attention(tiny_fp32, monkeypatch, rows, q, contexts,
         # Keys and gates equal too, so the pools this step completes tie with the cached ones.
         cache.index_key[:] = cache.index_key[0, 0]
         cache.index_gate[:] = cache.index_gate[0, 0]
-        p = p._replace(ki=cache.index_key[0, :1].expand_as(p.ki).clone(), gi=cache.index_gate[0, :1].expand_as(p.gi).clone())
+        p = p._replace(ki=cache.index_key[0, :1].expand_as(p.ki).clone(),
+                       gi=cache.index_gate[0, :1].expand_as(p.gi).clone())
     seen = []
     real = indexer_module.top_pools
     monkeypatch.setattr(indexer_module, "top_pools", lambda s, v, k: seen.append((s.clone(), v)) or real(s, v, k))

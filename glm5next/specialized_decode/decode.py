@@ -203,7 +203,8 @@ class LayerStages:
         return stage if stage is not None and stage.runs(md) else None
 
     def dsa_attention(self, attn, x: torch.Tensor, md: AttnMetadata, cache, selection=None,
-                      return_selection: bool = False, projections: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      return_selection: bool = False,
+                      projections: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`attn.forward` (a DSA sublayer's) with its projections and o_proj on the projection stage where
         `projections`, and its middle piece on the DSA stage where it runs: the output [T, hidden] and the
         selection (or None)."""

@@ -64,6 +64,8 @@ class DsaPlan:
     block_k: int
     block_r: int
     block_v: int
+    up_block_k: int
+    """Latent columns per step of the value-up's combine (a [rows, splits, up_block_k] tile)."""
     num_warps: int = 4
     attend_warps: int = 8
     """Warps of the attention launch, whose [heads, R] context and [block_n, R] latent tile are its largest."""
@@ -88,10 +90,10 @@ def plan_dsa(tokens: int, heads: int, n_pools: int, topk_pools: int, kpool: int,
     groups = -(-heads // heads_per_program)
     most = max(1, -(-(topk_pools * kpool + kpool - 1) // 128))
     kv_splits = max(1, min(most, -(-2 * sms // (tokens * groups))))
-    p = dict(score_splits=score_splits, block_p=block_p, select_block=1024 if on_gpu else 64,
-             heads_per_program=heads_per_program, kv_splits=kv_splits, block_n=16,
+    p = dict(score_splits=score_splits, block_p=block_p, select_block=1024 if on_gpu else 128,
+             heads_per_program=heads_per_program, kv_splits=kv_splits, block_n=16 if on_gpu else 64,
              block_m=min(64, _pow2(tokens)), block_k=64 if on_gpu else 32, block_r=128 if on_gpu else 64,
-             block_v=64 if on_gpu else 32)
+             block_v=64 if on_gpu else 32, up_block_k=32 if on_gpu else 64)
     p.update(overrides)
     return DsaPlan(**p)
 
@@ -146,7 +148,7 @@ def index_scores(qi: torch.Tensor, wi: torch.Tensor, positions: torch.Tensor, sl
     index_scores_kernel[(t, plan.score_splits)](
         qi, wi, positions, slots, token_to_seq, block_tables, pooled_key, out,
         qi.stride(0), qi.stride(1), wi.stride(0), block_tables.stride(0), out.stride(0), n_pools, hi, d, scale,
-        KP=kpool, PER_BLOCK=per_block, HP=_pow2(hi), DP=_pow2(d), BLOCK_P=plan.block_p, SPLITS=plan.score_splits,
+        plan.score_splits, KP=kpool, PER_BLOCK=per_block, HP=_pow2(hi), DP=_pow2(d), BLOCK_P=plan.block_p,
         IEEE=pooled_key.dtype == torch.float32, num_warps=plan.num_warps)
     return out
 
@@ -202,15 +204,15 @@ def sparse_attention(q: torch.Tensor, selection: torch.Tensor, count: torch.Tens
     hp = plan.heads_per_program
     attend_kernel[(t, triton.cdiv(h, hp), splits)](
         qlat, selection, count, positions, slots, token_to_seq, block_tables, latent, acc, ml,
-        selection.stride(0), block_tables.stride(0), n_pools, h, r, w.scale,
-        KS=selection.shape[1], KP=w.kpool, BS=bs, HEADS=hp, RP=_pow2(r), BLOCK_N=plan.block_n, SPLITS=splits,
+        selection.stride(0), block_tables.stride(0), n_pools, h, r, w.scale, splits,
+        KS=selection.shape[1], KP=w.kpool, BS=bs, HEADS=hp, RP=_pow2(r), BLOCK_N=plan.block_n,
         IEEE=ieee, num_warps=plan.attend_warps)
     out = torch.empty(t, h, v, dtype=torch.float32, device=dev) if out is None else out
     if out.shape != (t, h, v) or not out.is_contiguous():
         raise ValueError(f"values must be [{t}, {h}, {v}] contiguous")
     value_up_kernel[(h, triton.cdiv(v, plan.block_v))](
-        acc, ml, slots, w.w_uv_t, out, t, h, r, v,
-        SPLITS=splits, SP=triton.next_power_of_2(splits), BLOCK_M=min(16, plan.block_m), BLOCK_K=plan.block_k // 2,
+        acc, ml, slots, w.w_uv_t, out, t, h, r, v, splits,
+        SP=triton.next_power_of_2(splits), BLOCK_M=min(16, plan.block_m), BLOCK_K=plan.up_block_k,
         BLOCK_V=plan.block_v, IEEE=ieee, num_warps=plan.num_warps)
     return out
 

@@ -7,7 +7,9 @@
 selected pool (in the selection's order), then its incomplete-pool tail `[kpool * floor((pos+1)/kpool),
 pos]`; the pools counted by `count` come first, the tail right after them, so the list is as long as the
 token needs and the splits share it evenly. Entries that are negative, invisible or past the block table
-are masked (a reused selection may hold any of these). Each split reads its latent rows once through the
+are skipped: they score the lowest finite fp32 and read the sequence's first row, so a token left with
+no row at all (a reused selection whose pools it cannot see yet, and no tail) attends that row, as the
+stock module's masked softmax does. Each split reads its latent rows once through the
 block table for HEADS heads together ([HEADS, R] x [R, BLOCK_N] scores, scaled), keeps an online softmax
 and writes its unnormalised context [HEADS, R] with its running max and sum.
 
@@ -58,13 +60,13 @@ def absorb_kernel(
 @triton.jit
 def attend_kernel(
     qlat_ptr, sel_ptr, count_ptr, pos_ptr, slot_ptr, seq_ptr, tab_ptr, lat_ptr, acc_ptr, ml_ptr,
-    s_sel, s_tab, n_pools, H, R, scale,
+    s_sel, s_tab, n_pools, H, R, scale, splits,
     KS: tl.constexpr, KP: tl.constexpr, BS: tl.constexpr, HEADS: tl.constexpr, RP: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):
     """q_lat [T, H, R] fp32; selection [T, KS] int64 (row stride s_sel) with `count` [T] int32 leading
     entries to read; latent cache [blocks + 1, BS, R]; block tables [seqs, blocks] (row stride s_tab);
-    out: acc [T, H, SPLITS, R] fp32, ml [T, H, SPLITS, 2] fp32 (running max, running sum)."""
+    out: acc [T, H, splits, R] fp32, ml [T, H, splits, 2] fp32 (running max, running sum)."""
     t = tl.program_id(0)
     hg = tl.program_id(1)
     split = tl.program_id(2)
@@ -75,7 +77,7 @@ def attend_kernel(
         n_sel = tl.load(count_ptr + t)
         pooled = n_sel * KP
         length = pooled + KP - 1
-        chunk = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
+        chunk = tl.cdiv(tl.cdiv(length, splits), BLOCK_N) * BLOCK_N
         lo = split * chunk
         hi = tl.minimum(lo + chunk, length)
         hh = hg * HEADS + tl.arange(0, HEADS)
@@ -95,12 +97,13 @@ def attend_kernel(
             tok = tl.where(in_tail, tail0 + (j - pooled), pool * KP + j % KP)
             whole_pool = (pool >= 0) & (pool < n_pools) & (pool * KP + KP - 1 <= pos)
             ok = inside & tl.where(in_tail, tok <= pos, whole_pool)
-            tok = tl.where(ok, tok, 0)
-            blk = tl.load(tab_ptr + seq * s_tab + tok // BS, mask=ok, other=0)
-            c = tl.load(lat_ptr + (blk * BS + tok % BS)[:, None] * R + r[None, :], mask=ok[:, None] & rok[None, :],
-                        other=0.0)
+            tok = tl.where(ok, tok, 0)  # a skipped entry reads the sequence's first row, at the lowest score
+            blk = tl.load(tab_ptr + seq * s_tab + tok // BS, mask=inside, other=0)
+            c = tl.load(lat_ptr + (blk * BS + tok % BS)[:, None] * R + r[None, :],
+                        mask=inside[:, None] & rok[None, :], other=0.0)
             s = _dot(q, tl.trans(c), IEEE) * scale
-            s = tl.where(ok[None, :], s, float("-inf"))
+            s = tl.where(ok[None, :], s, -3.4028234663852886e38)
+            s = tl.where(inside[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp(m_i - m_safe)
@@ -108,7 +111,7 @@ def attend_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + _dot(p, c, IEEE)
             m_i = m_new
-        base = (t * H + hh) * SPLITS + split
+        base = (t * H + hh) * splits + split
         tl.store(acc_ptr + base[:, None] * R + r[None, :], acc, mask=hok[:, None] & rok[None, :])
         tl.store(ml_ptr + base * 2, m_i, mask=hok)
         tl.store(ml_ptr + base * 2 + 1, l_i, mask=hok)
@@ -116,23 +119,23 @@ def attend_kernel(
 
 @triton.jit
 def value_up_kernel(
-    acc_ptr, ml_ptr, slot_ptr, w_ptr, out_ptr, T, H, R, V,
-    SPLITS: tl.constexpr, SP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    acc_ptr, ml_ptr, slot_ptr, w_ptr, out_ptr, T, H, R, V, splits,
+    SP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    """acc [T, H, SPLITS, R], ml [T, H, SPLITS, 2] fp32 (from `attend_kernel`); W_UV^T [H, R, V]
+    """acc [T, H, splits, R], ml [T, H, splits, 2] fp32 (from `attend_kernel`); W_UV^T [H, R, V]
     contiguous; out [T, H, V] fp32 contiguous."""
     h = tl.program_id(0)
     v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     vok = v < V
     sp = tl.arange(0, SP)
-    spok = sp < SPLITS
+    spok = sp < splits
     for m0 in range(0, T, BLOCK_M):
         t = m0 + tl.arange(0, BLOCK_M)
         tok = t < T
         live = tok & (tl.load(slot_ptr + t, mask=tok, other=-1) >= 0)
         both = live[:, None] & spok[None, :]
-        base = (t[:, None] * H + h) * SPLITS + sp[None, :]  # [BLOCK_M, SP]
+        base = (t[:, None] * H + h) * splits + sp[None, :]  # [BLOCK_M, SP]
         m = tl.load(ml_ptr + base * 2, mask=both, other=float("-inf"))
         l = tl.load(ml_ptr + base * 2 + 1, mask=both, other=0.0)
         top = tl.max(m, 1)

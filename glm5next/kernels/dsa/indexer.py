@@ -34,9 +34,9 @@ def _visible_pools(pos_ptr, slot_ptr, t, n_pools, KP: tl.constexpr):
 @triton.jit
 def index_scores_kernel(
     qi_ptr, wi_ptr, pos_ptr, slot_ptr, seq_ptr, tab_ptr, pk_ptr, score_ptr,
-    s_qt, s_qh, s_wt, s_tab, s_score, n_pools, HI, D, scale,
+    s_qt, s_qh, s_wt, s_tab, s_score, n_pools, HI, D, scale, splits,
     KP: tl.constexpr, PER_BLOCK: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, BLOCK_P: tl.constexpr,
-    SPLITS: tl.constexpr, IEEE: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     """Indexer queries qi [T, HI, D] (row stride s_qt, head stride s_qh, unit channel stride), fp32 head
     weights wi [T, HI] (row stride s_wt, scale included); positions, slots, sequence of each token [T];
@@ -52,7 +52,7 @@ def index_scores_kernel(
     w = tl.load(wi_ptr + t * s_wt + h, mask=h < HI, other=0.0).to(tl.float32)
     seq = tl.load(seq_ptr + t)
     tiles = tl.cdiv(nvis, BLOCK_P)
-    for b in range(split, tiles, SPLITS):
+    for b in range(split, tiles, splits):
         p = b * BLOCK_P + tl.arange(0, BLOCK_P)
         ok = p < nvis
         blk = tl.load(tab_ptr + seq * s_tab + p // PER_BLOCK, mask=ok, other=0)

@@ -67,6 +67,7 @@ def sparse_attention_reference(q, selection, count, positions, slots, token_to_s
             if 0 <= p < n_pools and kp * p + kp - 1 <= pos:
                 rows += [kp * p + r for r in range(kp)]
         rows += list(range((pos + 1) // kp * kp, pos + 1))
+        rows = rows or [0]  # no row left (a reused selection): the sequence's first, as the stock softmax does
         tok = torch.tensor(rows, dtype=torch.int64, device=q.device)
         table = block_tables[int(token_to_seq[i])]
         lat = flat[table[tok // bs] * bs + tok % bs]  # [rows, R]
