@@ -103,6 +103,15 @@ class SparseMLA(nn.Module):
         qi, wi, ki, gi = self.indexer.outputs(x, qi, ki)
         return DsaProjections(q.view(x.shape[0], self.num_heads, self.nope_dim), c, qi, wi, ki, gi)
 
+    def write_cache(self, p: DsaProjections, md: AttnMetadata, cache: DsaCache) -> None:
+        """Store the step's latents, indexer keys and gate logits in their token rows (padding in the scratch
+        block), then the pooled key of every pool a token of the step completes."""
+        rows = cache.token_rows(md.slot_mapping)
+        cache.latent.view(-1, self.kv_lora_rank).index_copy_(0, rows, p.c.to(cache.latent.dtype))
+        cache.index_key.view(-1, p.ki.shape[-1]).index_copy_(0, rows, p.ki.to(cache.index_key.dtype))
+        cache.index_gate.view(-1, p.gi.shape[-1]).index_copy_(0, rows, p.gi.to(cache.index_gate.dtype))
+        self.indexer.write_pools(md.positions, md.slot_mapping, cache)
+
     def attention(
         self,
         p: DsaProjections,
@@ -116,11 +125,7 @@ class SparseMLA(nn.Module):
         `selection` / `return_selection` as in `forward`: the second result is the selection, or None."""
         t = p.q.shape[0]
         dev = p.q.device
-        rows = cache.token_rows(md.slot_mapping)
-        cache.latent.view(-1, self.kv_lora_rank).index_copy_(0, rows, p.c.to(cache.latent.dtype))
-        cache.index_key.view(-1, p.ki.shape[-1]).index_copy_(0, rows, p.ki.to(cache.index_key.dtype))
-        cache.index_gate.view(-1, p.gi.shape[-1]).index_copy_(0, rows, p.gi.to(cache.index_gate.dtype))
-        self.indexer.write_pools(md.positions, md.slot_mapping, cache)
+        self.write_cache(p, md, cache)
 
         w_uk, w_uv = self.absorbed_weights()
         q_lat = torch.einsum("thn,hnr->thr", p.q.float(), w_uk)

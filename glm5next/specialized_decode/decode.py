@@ -10,8 +10,9 @@ stage object itself, or the stock module where the policy says stock at this tok
 - the attention sublayer: where the projection stage runs (`ProjectionStage`), its projections
   (`kda` / `dsa`, returning what the stock `project` piece returns), else the stock `project`; then
   the middle piece: in a KDA layer the KDA stage (`KdaStage`: conv, gates, recurrence, norm in one
-  launch) or the stock `KimiDeltaAttention.mix`, in a DSA layer the stock `SparseMLA.attention`
-  (cache writes, indexer, sparse attention); then the o_proj (`kda_output` / `dsa_output`, the DSA
+  launch) or the stock `KimiDeltaAttention.mix`, in a DSA layer the DSA stage (`DsaStage`: pool scores,
+  top-k, sparse attention and value-up) or the stock `SparseMLA.attention` (cache writes, indexer,
+  sparse attention); then the o_proj (`kda_output` / `dsa_output`, the DSA
   values' cast included, or the stock one); where no stage runs any piece, the stock sublayer;
 - the FFN: the MoE stage (router, routed and shared experts), the dense MLP stage, or the shared
   expert stage added to the stock router and routed experts (`MoE.routed_experts`); else the
@@ -36,7 +37,7 @@ from contextlib import nullcontext
 
 import torch
 
-from ..config import KDA
+from ..config import DSA, KDA
 from ..model.backbone import Glm5NextModel
 from ..model.mhc import hc_contract, hc_expand, hc_post
 from ..forward import AttnMetadata, CUDAGraphMode, ForwardContext
@@ -44,6 +45,7 @@ from ..parallel.collectives import all_gather, all_reduce, partial_outputs, redu
 from .boundary import BoundaryStage
 from .copies import Fp16Copies
 from .dense_mlp import DenseMlpStage
+from .dsa import DsaStage
 from .kda import KdaStage
 from .linear import ProjectionStage
 from .logits import LogitsStage
@@ -115,6 +117,11 @@ class LayerStages:
         if self.policy.enabled("kda"):
             self.kda = {layer.layer_idx: KdaStage(layer.self_attn) for layer in layers
                         if layer.layer_kind == KDA and KdaStage.supports(layer.self_attn)}
+        self.dsa = {}
+        if self.policy.enabled("dsa"):
+            dtype = self.backbone.embed_tokens.dtype
+            self.dsa = {layer.layer_idx: DsaStage(layer.self_attn, dtype) for layer in layers
+                        if layer.layer_kind == DSA and DsaStage.supports(layer.self_attn)}
         self.dense = {}
         if self.policy.enabled("dense_mlp"):
             self.dense = {layer.layer_idx: DenseMlpStage(layer.mlp, self.copies) for layer in layers
@@ -186,17 +193,27 @@ class LayerStages:
                 p = self.projections.kda(attn, x, tokens) if projections else attn.project(x)
                 y = mix(p, md, state) if mix is not None else attn.mix(p, md, state)
                 return (self.projections.kda_output(attn, y, tokens) if projections else attn.o_proj(y)), partial
-            if not projections:
+            if not projections and self.sparse(attn, md, tokens) is None:
                 return layer.attention(x, step.ctx, step.cache), partial
-            return self.dsa_attention(attn, x, md, step.cache.dsa[layer.layer_idx])[0], partial
+            return self.dsa_attention(attn, x, md, step.cache.dsa[layer.layer_idx], projections=projections)[0], partial
+
+    def sparse(self, attn, md: AttnMetadata, tokens: int) -> DsaStage | None:
+        """The DSA stage that replaces `attn.attention` for this step, or None (stock)."""
+        stage = self.dsa.get(attn.layer_idx) if self.policy("dsa", tokens) else None
+        return stage if stage is not None and stage.runs(md) else None
 
     def dsa_attention(self, attn, x: torch.Tensor, md: AttnMetadata, cache, selection=None,
-                      return_selection: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`attn.forward` (a DSA sublayer's) with its projections and o_proj on the projection stage,
-        which runs at this token count: the output [T, hidden] and the selection (or None)."""
+                      return_selection: bool = False,
+                      projections: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`attn.forward` (a DSA sublayer's) with its projections and o_proj on the projection stage where
+        `projections`, and its middle piece on the DSA stage where it runs: the output [T, hidden] and the
+        selection (or None)."""
         tokens = x.shape[0]
-        p = self.projections.dsa(attn, x, tokens)
-        values, chosen = attn.attention(p, md, cache, selection, return_selection)
+        p = self.projections.dsa(attn, x, tokens) if projections else attn.project(x)
+        middle = self.sparse(attn, md, tokens) or attn.attention
+        values, chosen = middle(p, md, cache, selection, return_selection)
+        if not projections:
+            return attn.output(values, x.dtype), chosen
         return self.projections.dsa_output(attn, values, x.dtype, tokens), chosen
 
     def ffn_stages(self, layer, x: torch.Tensor, ctx: ForwardContext, slots: torch.Tensor | None):
@@ -261,9 +278,10 @@ class DraftStages(LayerStages):
         self.calls = 0
         """Draft-layer forwards that ran at least one stage."""
 
-    def runs_any(self, layer, tokens: int) -> bool:
-        """Whether a stage runs part of the draft layer at this token count."""
-        return (self.projections.runs(layer, tokens)
+    def runs_any(self, layer, tokens: int, md: AttnMetadata | None = None) -> bool:
+        """Whether a stage runs part of the draft layer at this token count (of a step of metadata `md`)."""
+        sparse = md is not None and self.sparse(layer.self_attn, md, tokens) is not None
+        return (self.projections.runs(layer, tokens) or sparse
                 or (layer.layer_idx in self.shared and self.policy("shared_expert", tokens) is not None))
 
     def forward(self, mtp, embedded: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext, cache,
@@ -271,12 +289,13 @@ class DraftStages(LayerStages):
         """`MtpLayer.forward` with its DSA projections and o_proj and its shared expert on the stages the
         policy gives this token count, the rest stock (outputs reduced where they are made)."""
         tokens = embedded.shape[0]
-        self.calls += self.runs_any(mtp, tokens)
         md = ctx.metadata(mtp.self_attn.prefix)
+        self.calls += self.runs_any(mtp, tokens, md)
         z = mtp.combine(embedded, hidden, md.positions)
         x, dsa_cache = mtp.input_layernorm(z), cache.dsa[mtp.layer_idx]
-        if self.projections.runs(mtp, tokens):
-            a, chosen = self.dsa_attention(mtp.self_attn, x, md, dsa_cache, selection, return_selection)
+        projections = self.projections.runs(mtp, tokens)
+        if projections or self.sparse(mtp.self_attn, md, tokens) is not None:
+            a, chosen = self.dsa_attention(mtp.self_attn, x, md, dsa_cache, selection, return_selection, projections)
         else:
             a = mtp.self_attn(x, md, dsa_cache, selection, return_selection)
             a, chosen = a if return_selection else (a, None)

@@ -13,6 +13,7 @@ import torch
 from ..checkpoint.inventory import expected_tensors
 from ..config import DSA, KDA, Glm5NextConfig
 from ..kernels import boundary as boundary_kernels
+from ..kernels.dsa import plan_dsa
 from ..kernels.kda import plan_kda
 from ..kernels.linear import plan_launch
 from ..kernels.moe import plan_moe
@@ -96,6 +97,20 @@ def stage_launches(w: dict, config: Glm5NextConfig, stage: str, choice: str, T: 
         p = plan_kda(d)
         return [dict(launch="conv+gates+delta+norm", grid=(T, h, d // p.block_v), block_v=p.block_v,
                      warps=p.num_warps)]
+    if stage == "dsa":
+        if DSA not in kinds:
+            return []
+        h = config.num_attention_heads
+        pools = config.max_position_embeddings // config.index_kpool
+        p = plan_dsa(T, h, pools, config.index_topk_pools, config.index_kpool, sms)
+        groups = -(-h // p.heads_per_program)
+        r, v = config.kv_lora_rank, config.v_head_dim
+        return [dict(launch="index_scores", grid=(T, p.score_splits), block_p=p.block_p, warps=p.num_warps),
+                dict(launch="select_pools", grid=(T,), block=p.select_block, radix="4 x 8 bits"),
+                dict(launch="absorb", grid=(h, -(-r // p.block_r)), block=(p.block_m, p.block_k, p.block_r)),
+                dict(launch="attend", grid=(T, groups, p.kv_splits), heads=p.heads_per_program, block_n=p.block_n),
+                dict(launch="value_up", grid=(h, -(-v // p.block_v)), block_v=p.block_v,
+                     cache_writes="stock write_cache before the launches")]
     if stage == "moe":
         if not any(config.moe_layers):
             return []

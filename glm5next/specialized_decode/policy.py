@@ -29,6 +29,7 @@ STAGES: dict[str, tuple[str, ...]] = {
     "kda_proj": ("grouped", "grouped-early", "grouped-overlap", "single"),
     "kda": ("fused",),
     "dsa_proj": ("grouped", "grouped-early", "grouped-overlap", "single"),
+    "dsa": ("sparse",),
     "dense_mlp": ("fused", "fused-overlap"),
     "shared_expert": ("fused", "fused-overlap"),
     "moe": ("grouped",),

@@ -1,0 +1,240 @@
+"""DSA decode and verify: the indexer's pool scores and top-k selection, and the sparse latent attention
+with its value-up, between a DSA layer's projections (and cache writes) and its o_proj.
+
+Five launches with static grids and no host sync (see `indexer` and `attention`): scores, selection,
+absorbed queries, split attention, combine and value-up. Under tensor parallelism the caller sums the
+scores over the ranks between the first two. Each launcher has a plain fp32 twin in `reference`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from .attention import absorb_kernel, attend_kernel, value_up_kernel
+from .indexer import index_scores_kernel, select_pools_kernel
+from .reference import (dsa_decode_reference, index_scores_reference, select_pools_reference,
+                        sparse_attention_reference)
+
+__all__ = ["DsaPlan", "DsaScratch", "DsaWeights", "dsa_decode", "dsa_decode_reference", "index_scores",
+           "index_scores_reference", "plan_dsa", "select_pools", "select_pools_reference", "sparse_attention",
+           "sparse_attention_reference"]
+
+
+@dataclass(frozen=True)
+class DsaWeights:
+    """One DSA layer's attention constants as the kernels read them, prepared once: `W_UK` [H, nope, R]
+    and `W_UV^T` [H, R, v] (contiguous, in the model dtype), the softmax scales and the pool sizes."""
+
+    w_uk: torch.Tensor
+    w_uv_t: torch.Tensor
+    kpool: int
+    topk_pools: int
+    scale: float
+    """The MLA softmax scale."""
+    index_scale: float
+    """The indexer's dot scale (inside its ReLU)."""
+
+    @property
+    def num_heads(self) -> int:
+        return self.w_uk.shape[0]
+
+    @classmethod
+    def of(cls, attn, dtype: torch.dtype) -> "DsaWeights":
+        """The constants of a `glm5next.model.dsa.SparseMLA` (this rank's heads), its kv_b_proj widened
+        to `dtype` once."""
+        w_uk, w_uv = attn.absorbed_weights()
+        return cls(w_uk.to(dtype).contiguous(), w_uv.transpose(1, 2).to(dtype).contiguous(), attn.kpool,
+                   attn.indexer.topk_pools, float(attn.scale), float(attn.indexer.softmax_scale))
+
+
+@dataclass(frozen=True)
+class DsaPlan:
+    """The launches' tiles and splits."""
+
+    score_splits: int
+    block_p: int
+    select_block: int
+    heads_per_program: int
+    kv_splits: int
+    block_n: int
+    block_m: int
+    block_k: int
+    block_r: int
+    block_v: int
+    up_block_k: int
+    """Latent columns per step of the value-up's combine (a [rows, splits, up_block_k] tile)."""
+    num_warps: int = 4
+    attend_warps: int = 8
+    """Warps of the attention launch, whose [heads, R] context and [block_n, R] latent tile are its largest."""
+
+    def describe(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _pow2(n: int, least: int = 16) -> int:
+    return max(least, triton.next_power_of_2(max(1, n)))
+
+
+def plan_dsa(tokens: int, heads: int, n_pools: int, topk_pools: int, kpool: int, sms: int, on_gpu: bool = True,
+             **overrides) -> DsaPlan:
+    """Tiles and splits for `tokens` tokens of `heads` heads over block tables of `n_pools` pools, on a
+    GPU of `sms` SMs: the pool tiles of a token spread over enough programs to fill the GPU at one
+    token; each token's selected rows split so that tokens x head groups x splits gives every SM two
+    programs, each split at least 128 rows long."""
+    block_p = 64
+    score_splits = max(1, min(-(-2 * sms // tokens), -(-n_pools // block_p)))
+    heads_per_program = min(16, _pow2(heads)) if on_gpu else _pow2(heads)
+    groups = -(-heads // heads_per_program)
+    most = max(1, -(-(topk_pools * kpool + kpool - 1) // 128))
+    kv_splits = max(1, min(most, -(-2 * sms // (tokens * groups))))
+    p = dict(score_splits=score_splits, block_p=block_p, select_block=1024 if on_gpu else 128,
+             heads_per_program=heads_per_program, kv_splits=kv_splits, block_n=16 if on_gpu else 64,
+             block_m=min(64, _pow2(tokens)), block_k=64 if on_gpu else 32, block_r=128 if on_gpu else 64,
+             block_v=64 if on_gpu else 32, up_block_k=32 if on_gpu else 64)
+    p.update(overrides)
+    return DsaPlan(**p)
+
+
+class DsaScratch:
+    """Per-shape scratch of the launches (scores, selection, its counts, absorbed queries, split
+    partials). A captured graph keeps using the tensors it was captured with."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[tuple, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+        key = (name, shape, dtype, str(device))
+        if key not in self._by_key:
+            self._by_key[key] = torch.empty(shape, dtype=dtype, device=device)
+        return self._by_key[key]
+
+
+def _check_tokens(positions, slots, token_to_seq, tokens: int) -> None:
+    for name, t in (("positions", positions), ("slots", slots), ("token_to_seq", token_to_seq)):
+        if t.shape != (tokens,) or not t.is_contiguous():
+            raise ValueError(f"{name} must be [{tokens}] contiguous, got {tuple(t.shape)}")
+
+
+def _pools_of(block_tables: torch.Tensor, pooled_key: torch.Tensor) -> tuple[int, int]:
+    """Pools per cache block and pools a block table holds."""
+    if block_tables.stride(1) != 1:
+        raise ValueError("block tables need unit column stride")
+    return pooled_key.shape[1], block_tables.shape[1] * pooled_key.shape[1]
+
+
+def index_scores(qi: torch.Tensor, wi: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                 token_to_seq: torch.Tensor, block_tables: torch.Tensor, pooled_key: torch.Tensor, kpool: int,
+                 scale: float, plan: DsaPlan, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Pool scores [T, n_pools] fp32 `sum_h wi[t, h] * relu(scale * qi[t, h] . K_p)` of every pool token t
+    sees (`kpool * p + kpool - 1 <= positions[t]`); the other entries are left as they were.
+
+    qi [T, Hi, d] (unit channel stride); wi [T, Hi] fp32; positions, slots (-1: padding, sees nothing),
+    token_to_seq [T] int64; block_tables [seqs, blocks] int64; pooled_key [blocks + 1, block_size /
+    kpool, d]. n_pools = blocks * block_size / kpool."""
+    t, hi, d = qi.shape
+    _check_tokens(positions, slots, token_to_seq, t)
+    if qi.stride(2) != 1 or wi.shape != (t, hi) or wi.stride(1) != 1 or pooled_key.shape[2] != d:
+        raise ValueError(f"indexer inputs: qi {tuple(qi.shape)} {qi.stride()}, wi {tuple(wi.shape)}, pooled keys "
+                         f"{tuple(pooled_key.shape)}")
+    if not pooled_key.is_contiguous():
+        raise ValueError("the pooled-key cache must be contiguous")
+    per_block, n_pools = _pools_of(block_tables, pooled_key)
+    out = torch.empty(t, n_pools, dtype=torch.float32, device=qi.device) if out is None else out
+    if out.shape != (t, n_pools) or out.stride(1) != 1 or out.dtype != torch.float32:
+        raise ValueError(f"scores must be [{t}, {n_pools}] fp32 with unit column stride")
+    index_scores_kernel[(t, plan.score_splits)](
+        qi, wi, positions, slots, token_to_seq, block_tables, pooled_key, out,
+        qi.stride(0), qi.stride(1), wi.stride(0), block_tables.stride(0), out.stride(0), n_pools, hi, d, scale,
+        plan.score_splits, KP=kpool, PER_BLOCK=per_block, HP=_pow2(hi), DP=_pow2(d), BLOCK_P=plan.block_p,
+        IEEE=pooled_key.dtype == torch.float32, num_warps=plan.num_warps)
+    return out
+
+
+def select_pools(scores: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kpool: int, k: int,
+                 plan: DsaPlan, out: torch.Tensor | None = None,
+                 count: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-min(k, visible) pools of each token's scores [T, n_pools] (ties: the lower pool first),
+    ascending, padded with -1: [T, k] int64; and how many each token kept [T] int32."""
+    t, n_pools = scores.shape
+    if scores.stride(1) != 1 or positions.shape != (t,) or slots.shape != (t,):
+        raise ValueError("scores need unit column stride and one position and slot per row")
+    out = torch.empty(t, k, dtype=torch.int64, device=scores.device) if out is None else out
+    count = torch.empty(t, dtype=torch.int32, device=scores.device) if count is None else count
+    if out.shape != (t, k) or out.stride(1) != 1 or count.shape != (t,):
+        raise ValueError(f"selection must be [{t}, {k}] with unit column stride and counts [{t}]")
+    select_pools_kernel[(t,)](scores, positions, slots, out, count, scores.stride(0), out.stride(0), n_pools,
+                              K=k, KP=kpool, BLOCK=plan.select_block, num_warps=plan.num_warps)
+    return out, count
+
+
+def sparse_attention(q: torch.Tensor, selection: torch.Tensor, count: torch.Tensor, positions: torch.Tensor,
+                     slots: torch.Tensor, token_to_seq: torch.Tensor, block_tables: torch.Tensor,
+                     latent: torch.Tensor, w: DsaWeights, plan: DsaPlan, out: torch.Tensor | None = None,
+                     scratch: DsaScratch | None = None) -> torch.Tensor:
+    """The attention's values [T, H, v] fp32 (the o_proj's input once cast): per token and head, the
+    absorbed query `q @ W_UK[h]` against the latents of the token's selected rows (the first `count[t]`
+    pools of `selection[t]` that are whole, visible and in its block table, four rows each, then its
+    incomplete-pool tail), softmax with `w.scale`, context `@ W_UV[h]^T`. Padding tokens get zeros.
+
+    q [T, H, nope] (unit channel stride); selection [T, K] int64; count [T] int32; latent [blocks + 1,
+    block_size, R] (contiguous)."""
+    t, h, n = q.shape
+    _check_tokens(positions, slots, token_to_seq, t)
+    r, v = w.w_uk.shape[2], w.w_uv_t.shape[2]
+    if q.stride(2) != 1 or w.w_uk.shape[:2] != (h, n) or w.w_uv_t.shape[:2] != (h, r) or latent.shape[2] != r:
+        raise ValueError(f"attention inputs: q {tuple(q.shape)} {q.stride()}, W_UK {tuple(w.w_uk.shape)}, "
+                         f"W_UV^T {tuple(w.w_uv_t.shape)}, latents {tuple(latent.shape)}")
+    if not latent.is_contiguous() or selection.stride(1) != 1 or count.shape != (t,):
+        raise ValueError("the latent cache must be contiguous, the selection unit-strided, one count per token")
+    bs = latent.shape[1]
+    n_pools = block_tables.shape[1] * bs // w.kpool
+    scratch = scratch or DsaScratch()
+    dev = q.device
+    splits = plan.kv_splits
+    ieee = latent.dtype == torch.float32
+    qlat = scratch.get("qlat", (t, h, r), torch.float32, dev)
+    absorb_kernel[(h, triton.cdiv(r, plan.block_r))](
+        q, w.w_uk, qlat, t, h, n, r, q.stride(0), q.stride(1),
+        BLOCK_M=plan.block_m, BLOCK_K=plan.block_k, BLOCK_R=plan.block_r, IEEE=ieee, num_warps=plan.num_warps)
+    acc = scratch.get("acc", (t, h, splits, r), torch.float32, dev)
+    ml = scratch.get("ml", (t, h, splits, 2), torch.float32, dev)
+    hp = plan.heads_per_program
+    attend_kernel[(t, triton.cdiv(h, hp), splits)](
+        qlat, selection, count, positions, slots, token_to_seq, block_tables, latent, acc, ml,
+        selection.stride(0), block_tables.stride(0), n_pools, h, r, w.scale, splits,
+        KS=selection.shape[1], KP=w.kpool, BS=bs, HEADS=hp, RP=_pow2(r), BLOCK_N=plan.block_n,
+        IEEE=ieee, num_warps=plan.attend_warps)
+    out = torch.empty(t, h, v, dtype=torch.float32, device=dev) if out is None else out
+    if out.shape != (t, h, v) or not out.is_contiguous():
+        raise ValueError(f"values must be [{t}, {h}, {v}] contiguous")
+    value_up_kernel[(h, triton.cdiv(v, plan.block_v))](
+        acc, ml, slots, w.w_uv_t, out, t, h, r, v, splits,
+        SP=triton.next_power_of_2(splits), BLOCK_M=min(16, plan.block_m), BLOCK_K=plan.up_block_k,
+        BLOCK_V=plan.block_v, IEEE=ieee, num_warps=plan.num_warps)
+    return out
+
+
+def dsa_decode(q: torch.Tensor, qi: torch.Tensor, wi: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+               token_to_seq: torch.Tensor, block_tables: torch.Tensor, latent: torch.Tensor,
+               pooled_key: torch.Tensor, w: DsaWeights, plan: DsaPlan, selection: torch.Tensor | None = None,
+               scratch: DsaScratch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The values [T, H, v] fp32 and the selection [T, K] int64 of one step over caches already holding its
+    tokens: scores, top-k, attention (one process; see `glm5next.specialized_decode.dsa` for the stage).
+    With `selection` given, no scores: its pools are attended (each entry checked) and returned."""
+    scratch = scratch or DsaScratch()
+    t = q.shape[0]
+    if selection is None:
+        per_block = pooled_key.shape[1]
+        scores = scratch.get("scores", (t, block_tables.shape[1] * per_block), torch.float32, q.device)
+        index_scores(qi, wi, positions, slots, token_to_seq, block_tables, pooled_key, w.kpool, w.index_scale, plan,
+                     scores)
+        selection, count = select_pools(scores, positions, slots, w.kpool, w.topk_pools, plan,
+                                        scratch.get("sel", (t, w.topk_pools), torch.int64, q.device),
+                                        scratch.get("count", (t,), torch.int32, q.device))
+    else:
+        count = scratch.get("count_given", (t,), torch.int32, q.device).fill_(selection.shape[1])
+    return sparse_attention(q, selection, count, positions, slots, token_to_seq, block_tables, latent, w, plan,
+                            scratch=scratch), selection

@@ -1,0 +1,156 @@
+"""The sparse latent attention of a DSA decode step, in three launches.
+
+`absorb_kernel` — grid (heads, latent blocks): the absorbed queries `q_lat[t, h] = q[t, h] @ W_UK[h]`
+[T, H, R] fp32, every token of the step at once, so each head's W_UK block is read once per BLOCK_M tokens.
+
+`attend_kernel` — grid (tokens, head groups, splits). A token's selected rows form one list: four rows per
+selected pool (in the selection's order), then its incomplete-pool tail `[kpool * floor((pos+1)/kpool),
+pos]`; the pools counted by `count` come first, the tail right after them, so the list is as long as the
+token needs and the splits share it evenly. Entries that are negative, invisible or past the block table
+are skipped: they score the lowest finite fp32 and read the sequence's first row, so a token left with
+no row at all (a reused selection whose pools it cannot see yet, and no tail) attends that row, as the
+stock module's masked softmax does. Each split reads its latent rows once through the
+block table for HEADS heads together ([HEADS, R] x [R, BLOCK_N] scores, scaled), keeps an online softmax
+and writes its unnormalised context [HEADS, R] with its running max and sum.
+
+`value_up_kernel` — grid (heads, value blocks): the splits' contexts combined in split order (weights
+`exp(m_s - max) / sum`: deterministic), then `@ W_UV[h]^T` (the kernel reads `W_UV^T` [H, R, V]), for
+every token; padding tokens (slot -1) get zeros.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a.to(tl.float32), b.to(tl.float32))
+
+
+@triton.jit
+def absorb_kernel(
+    q_ptr, w_ptr, out_ptr, T, H, N, R, s_qt, s_qh,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
+):
+    """q [T, H, N] (row stride s_qt, head stride s_qh, unit channel stride); W_UK [H, N, R] contiguous;
+    out [T, H, R] fp32 contiguous."""
+    h = tl.program_id(0)
+    r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rok = r < R
+    for m0 in range(0, T, BLOCK_M):
+        t = m0 + tl.arange(0, BLOCK_M)
+        tok = t < T
+        acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+        for k0 in range(0, N, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            kok = k < N
+            x = tl.load(q_ptr + t[:, None] * s_qt + h * s_qh + k[None, :], mask=tok[:, None] & kok[None, :], other=0.0)
+            w = tl.load(w_ptr + (h * N + k[:, None]) * R + r[None, :], mask=kok[:, None] & rok[None, :], other=0.0)
+            if IEEE:
+                acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(x.to(w.dtype), w)
+        tl.store(out_ptr + (t[:, None] * H + h) * R + r[None, :], acc, mask=tok[:, None] & rok[None, :])
+
+
+@triton.jit
+def attend_kernel(
+    qlat_ptr, sel_ptr, count_ptr, pos_ptr, slot_ptr, seq_ptr, tab_ptr, lat_ptr, acc_ptr, ml_ptr,
+    s_sel, s_tab, n_pools, H, R, scale, splits,
+    KS: tl.constexpr, KP: tl.constexpr, BS: tl.constexpr, HEADS: tl.constexpr, RP: tl.constexpr,
+    BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):
+    """q_lat [T, H, R] fp32; selection [T, KS] int64 (row stride s_sel) with `count` [T] int32 leading
+    entries to read; latent cache [blocks + 1, BS, R]; block tables [seqs, blocks] (row stride s_tab);
+    out: acc [T, H, splits, R] fp32, ml [T, H, splits, 2] fp32 (running max, running sum)."""
+    t = tl.program_id(0)
+    hg = tl.program_id(1)
+    split = tl.program_id(2)
+    slot = tl.load(slot_ptr + t)
+    if slot >= 0:
+        pos = tl.load(pos_ptr + t)
+        seq = tl.load(seq_ptr + t)
+        n_sel = tl.load(count_ptr + t)
+        pooled = n_sel * KP
+        length = pooled + KP - 1
+        chunk = tl.cdiv(tl.cdiv(length, splits), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, length)
+        hh = hg * HEADS + tl.arange(0, HEADS)
+        hok = hh < H
+        r = tl.arange(0, RP)
+        rok = r < R
+        q = tl.load(qlat_ptr + (t * H + hh[:, None]) * R + r[None, :], mask=hok[:, None] & rok[None, :], other=0.0)
+        m_i = tl.full([HEADS], float("-inf"), tl.float32)
+        l_i = tl.zeros([HEADS], dtype=tl.float32)
+        acc = tl.zeros([HEADS, RP], dtype=tl.float32)
+        tail0 = (pos + 1) // KP * KP
+        for j0 in range(lo, hi, BLOCK_N):
+            j = j0 + tl.arange(0, BLOCK_N)
+            inside = j < hi
+            in_tail = j >= pooled
+            pool = tl.load(sel_ptr + t * s_sel + j // KP, mask=inside & ~in_tail, other=-1)
+            tok = tl.where(in_tail, tail0 + (j - pooled), pool * KP + j % KP)
+            whole_pool = (pool >= 0) & (pool < n_pools) & (pool * KP + KP - 1 <= pos)
+            ok = inside & tl.where(in_tail, tok <= pos, whole_pool)
+            tok = tl.where(ok, tok, 0)  # a skipped entry reads the sequence's first row, at the lowest score
+            blk = tl.load(tab_ptr + seq * s_tab + tok // BS, mask=inside, other=0)
+            c = tl.load(lat_ptr + (blk * BS + tok % BS)[:, None] * R + r[None, :],
+                        mask=inside[:, None] & rok[None, :], other=0.0)
+            s = _dot(q, tl.trans(c), IEEE) * scale
+            s = tl.where(ok[None, :], s, -3.4028234663852886e38)
+            s = tl.where(inside[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + _dot(p, c, IEEE)
+            m_i = m_new
+        base = (t * H + hh) * splits + split
+        tl.store(acc_ptr + base[:, None] * R + r[None, :], acc, mask=hok[:, None] & rok[None, :])
+        tl.store(ml_ptr + base * 2, m_i, mask=hok)
+        tl.store(ml_ptr + base * 2 + 1, l_i, mask=hok)
+
+
+@triton.jit
+def value_up_kernel(
+    acc_ptr, ml_ptr, slot_ptr, w_ptr, out_ptr, T, H, R, V, splits,
+    SP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """acc [T, H, splits, R], ml [T, H, splits, 2] fp32 (from `attend_kernel`); W_UV^T [H, R, V]
+    contiguous; out [T, H, V] fp32 contiguous."""
+    h = tl.program_id(0)
+    v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    vok = v < V
+    sp = tl.arange(0, SP)
+    spok = sp < splits
+    for m0 in range(0, T, BLOCK_M):
+        t = m0 + tl.arange(0, BLOCK_M)
+        tok = t < T
+        live = tok & (tl.load(slot_ptr + t, mask=tok, other=-1) >= 0)
+        both = live[:, None] & spok[None, :]
+        base = (t[:, None] * H + h) * splits + sp[None, :]  # [BLOCK_M, SP]
+        m = tl.load(ml_ptr + base * 2, mask=both, other=float("-inf"))
+        l = tl.load(ml_ptr + base * 2 + 1, mask=both, other=0.0)
+        top = tl.max(m, 1)
+        top = tl.where(top == float("-inf"), 0.0, top)
+        wgt = tl.exp(m - top[:, None])
+        den = tl.sum(wgt * l, 1)
+        wgt = wgt / tl.where(den > 0, den, 1.0)[:, None]
+        out = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)
+        for k0 in range(0, R, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            kok = k < R
+            parts = tl.load(acc_ptr + base[:, :, None] * R + k[None, None, :],
+                            mask=both[:, :, None] & kok[None, None, :], other=0.0)
+            x = tl.sum(wgt[:, :, None] * parts, 1)  # [BLOCK_M, BLOCK_K], splits summed in order
+            w = tl.load(w_ptr + (h * R + k[:, None]) * V + v[None, :], mask=kok[:, None] & vok[None, :], other=0.0)
+            out += _dot(x, w, IEEE)
+        out = tl.where(live[:, None], out, 0.0)
+        tl.store(out_ptr + (t[:, None] * H + h) * V + v[None, :], out, mask=tok[:, None] & vok[None, :])

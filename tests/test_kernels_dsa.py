@@ -1,0 +1,245 @@
+"""The DSA decode kernels against their fp32 references and the stock `SparseMLA.attention`: pool scores,
+the top-k selection (forced ties go to the lower pool, as in the stock top-k), the sparse attention with
+its value-up, at odd head counts and past the context where pools are dropped, with padded rows, reused
+selections and NaN-filled outputs. CPU cases run the Triton interpreter in fp32 at tiny sizes; GPU cases
+(marked `gpu`) run real shapes in bf16 up to 128K tokens of context."""
+
+import copy
+
+import pytest
+import torch
+
+from glm5next.forward import DsaCache
+from glm5next.kernels.dsa import (DsaWeights, index_scores, index_scores_reference, plan_dsa, select_pools,
+                                  select_pools_reference, sparse_attention, sparse_attention_reference)
+from glm5next.model import indexer as indexer_module
+from glm5next.model.indexer import top_pools
+from glm5next.runtime.metadata import build_metadata
+from glm5next.specialized_decode.dsa import DsaStage
+
+CUDA = torch.cuda.is_available()
+
+
+def rel(got, want):
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30))
+
+
+def random_layer(h, n, r, v, kpool, topk, device="cpu", dtype=torch.float32, seed=0) -> DsaWeights:
+    g = torch.Generator(device=device).manual_seed(seed)
+    w_uk = (torch.randn(h, n, r, generator=g, device=device) * n**-0.5).to(dtype)
+    w_uv_t = (torch.randn(h, r, v, generator=g, device=device) * r**-0.5).to(dtype)
+    return DsaWeights(w_uk, w_uv_t, kpool, topk, n**-0.5, 32**-0.5)
+
+
+def random_caches(blocks, bs, r, d, kpool, device="cpu", dtype=torch.float32, seed=1):
+    """Latent and pooled-key caches [blocks + 1, ...] of random rows (RMS-normalised scale)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    latent = torch.randn(blocks + 1, bs, r, generator=g, device=device).to(dtype)
+    pooled = (torch.randn(blocks + 1, bs // kpool, d, generator=g, device=device) * 0.5).to(dtype)
+    return latent, pooled
+
+
+def step(positions, seqs, slots, width, blocks, device="cpu", seed=2):
+    """Positions, sequence of each token, slots [T] and per-sequence block tables [seqs, width] (distinct
+    random blocks)."""
+    g = torch.Generator().manual_seed(seed)
+    n_seq = max(seqs) + 1
+    tables = torch.randperm(blocks, generator=g)[: n_seq * width].view(n_seq, width)
+    i64 = dict(dtype=torch.int64, device=device)
+    return (torch.tensor(positions, **i64), torch.tensor(seqs, **i64), torch.tensor(slots, **i64),
+            tables.to(device))
+
+
+# ---------------------------------------------------------------- indexer
+@pytest.mark.parametrize("hi,d,splits,block_p", [(3, 24, 2, 16), (4, 32, 3, 16), (5, 16, 1, 64)],
+                         ids=["odd_heads_and_width", "three_splits", "one_split"])
+def test_scores_and_selection_match_reference(hi, d, splits, block_p):
+    kp, bs, k, width = 4, 16, 8, 8  # 32 pools a table; 8 kept: pools drop past 35 tokens
+    blocks = 26
+    pos, seqs, slots, tables = step([127, 3, 40, 90, 17, 60], [0, 1, 0, 1, 2, 2], [5, 9, -1, 11, 2, 7], width, blocks)
+    t = pos.shape[0]
+    g = torch.Generator().manual_seed(3)
+    qi, wi = torch.randn(t, hi, d, generator=g), torch.randn(t, hi, generator=g)
+    _, pooled = random_caches(blocks, bs, 16, d, kp, seed=4)
+    plan = plan_dsa(t, 4, width * bs // kp, k, kp, 8, on_gpu=False, score_splits=splits, block_p=block_p,
+                    select_block=16)
+    scale = d**-0.5
+    got = index_scores(qi, wi, pos, slots, seqs, tables, pooled, kp, scale, plan,
+                       out=torch.full((t, width * bs // kp), float("nan")))
+    want = index_scores_reference(qi, wi, pos, slots, seqs, tables, pooled, kp, scale)
+    assert torch.equal(got.isnan(), want.isnan())  # every visible pool written, nothing else
+    assert rel(got.nan_to_num(), want.nan_to_num()) < 1e-6
+    sel = torch.full((t, k), 7, dtype=torch.int64)
+    got_sel, got_n = select_pools(want, pos, slots, kp, k, plan, out=sel)
+    want_sel, want_n = select_pools_reference(want, pos, slots, kp, k)
+    assert got_sel is sel and torch.equal(got_sel, want_sel) and torch.equal(got_n, want_n)
+    assert got_n.tolist() == [8, 1, 0, 8, 4, 8]  # capped at k, all of few, none for padding
+    # The stock top-k keeps the same pools.
+    visible = torch.arange(want.shape[1])[None] * kp + kp - 1 <= pos[:, None]
+    visible &= (slots >= 0)[:, None]
+    stock = top_pools(want.nan_to_num(), visible, k)
+    for row in range(t):
+        assert set(stock[row].tolist()) - {-1} == set(want_sel[row].tolist()) - {-1}, row
+
+
+def test_forced_ties_go_to_the_lower_pool():
+    """Scores with many exact ties (and -0.0 beside +0.0) at the selection boundary: the kernel, the
+    reference and the stock top-k keep the same pools, the lower ones among equals."""
+    kp, k = 4, 8
+    t, n_pools = 4, 48
+    g = torch.Generator().manual_seed(5)
+    scores = torch.randint(0, 3, (t, n_pools), generator=g).float()
+    scores[0] = 1.0  # all equal: the first k pools
+    scores[1, ::2] = -0.0  # signed zeros tie with +0.0
+    scores[1, 1::2] = 0.0
+    scores[1, 30] = 2.0
+    pos = torch.tensor([191, 191, 100, 60])
+    slots = torch.tensor([0, 1, 2, 3])
+    plan = plan_dsa(t, 4, n_pools, k, kp, 8, on_gpu=False, select_block=16)
+    got, _ = select_pools(scores, pos, slots, kp, k, plan)
+    want, _ = select_pools_reference(scores, pos, slots, kp, k)
+    assert torch.equal(got, want)
+    assert got[0].tolist() == list(range(k)) and got[1].tolist() == [0, 1, 2, 3, 4, 5, 6, 30]
+    visible = torch.arange(n_pools)[None] * kp + kp - 1 <= pos[:, None]
+    stock = top_pools(scores, visible, k)
+    for row in range(t):
+        assert sorted(stock[row].tolist()) == got[row].tolist(), row
+    # Counter-example: the higher pools among the tied ones are a different set.
+    assert sorted(range(n_pools - k, n_pools)) != got[0].tolist()
+
+
+# ---------------------------------------------------------------- attention
+@pytest.mark.parametrize("h,splits", [(3, 1), (5, 3), (4, 2)], ids=["odd_heads", "odd_heads_three_splits", "two"])
+def test_sparse_attention_matches_reference(h, splits):
+    kp, bs, k, width, blocks = 4, 16, 8, 8, 34
+    n, r, v = 32, 48, 24  # widths below the tiles: every mask is exercised
+    w = random_layer(h, n, r, v, kp, k)
+    latent, _ = random_caches(blocks, bs, r, 16, kp, seed=6)
+    pos, seqs, slots, tables = step([127, 2, 40, 93, 5, 3], [0, 1, 0, 1, 2, 3], [5, 9, -1, 11, 2, 4], width, blocks,
+                                    seed=7)
+    t = pos.shape[0]
+    q = torch.randn(t, h, n, generator=torch.Generator().manual_seed(8))
+    # A selection as the stock top-k leaves it, then a reused one holding -1, pools not yet whole for the
+    # token, and pools past the block table: each is skipped. The last token (position 3, no tail) is left
+    # with no row by the reused one: it attends its sequence's first row, as the stock module does.
+    sel = torch.tensor([[0, 3, 4, 9, 17, 20, 25, 31], [-1] * 8, [-1] * 8, [1, 2, 5, 6, 7, 11, 22, 23],
+                        [0, -1, -1, -1, -1, -1, -1, -1], [0, -1, -1, -1, -1, -1, -1, -1]])
+    reused = torch.tensor([[31, -1, 5, 40, 2, 2, 6, 7]] * t)
+    plan = plan_dsa(t, h, width * bs // kp, k, kp, 8, on_gpu=False, kv_splits=splits, block_n=16)
+    for selection, count in ((sel, torch.tensor([8, 0, 0, 8, 1, 1], dtype=torch.int32)),
+                             (reused, torch.full((t,), 8, dtype=torch.int32))):
+        out = torch.full((t, h, v), float("nan"))
+        got = sparse_attention(q, selection, count, pos, slots, seqs, tables, latent, w, plan, out=out)
+        want = sparse_attention_reference(q, selection, count, pos, slots, seqs, tables, latent, w)
+        assert got is out and not got.isnan().any()
+        assert rel(got, want) < 1e-5
+        assert not got[2].any()  # the padded row
+    first = latent[tables[3, 0], 0]
+    assert rel(got[5], torch.einsum("r,hrv->hv", first, w.w_uv_t)) < 1e-5
+
+
+# ---------------------------------------------------------------- the stage against the stock module
+def _stage_inputs(attn, config, rows, q, contexts, pad_rows, bs=16, seed=9):
+    """Projections, metadata and a random-context cache for `rows` decode rows of `q` tokens."""
+    from glm5next.model.dsa import DsaProjections
+
+    width = -(-(max(contexts) + q) // bs)
+    blocks = rows * width + 2
+    g = torch.Generator().manual_seed(seed)
+    r, d = config.kv_lora_rank, config.index_head_dim
+    cache = DsaCache(torch.randn(blocks + 1, bs, r, generator=g), torch.randn(blocks + 1, bs, d, generator=g),
+                     torch.randn(blocks + 1, bs, d, generator=g),
+                     torch.randn(blocks + 1, bs // 4, d, generator=g) * 0.5)
+    perm = torch.randperm(blocks, generator=g).tolist()
+    tables = [perm[i * width:(i + 1) * width] for i in range(rows)]
+    states = [-1 if i in pad_rows else i for i in range(rows)]
+    md = build_metadata([q] * rows, contexts, rows, states, tables, bs, "cpu", max_blocks=width)
+    t = rows * q
+    x = torch.randn(t, config.hidden_size, generator=g)
+    p = attn.project(x)
+    return DsaProjections(*p), md, cache
+
+
+@pytest.mark.parametrize("rows,q,contexts,pad,ties", [(3, 1, [90, 7, 41], [1], False), (2, 3, [66, 37], [], False),
+                                                      (2, 1, [70, 50], [], True)],
+                         ids=["decode_padded", "verify", "forced_ties"])
+def test_stage_equals_stock_attention(tiny_fp32, monkeypatch, rows, q, contexts, pad, ties):
+    """On the small model's first DSA layer: the stock scores, the same selected pools, the values within
+    1e-4 and the same cache writes (pools are dropped: the contexts pass index_topk + 3 tokens). With
+    every pooled key equal (all scores tie), both keep the lowest pools."""
+    attn = tiny_fp32.layers[3].self_attn
+    config = tiny_fp32.config
+    assert max(contexts) + 1 > config.index_topk + 3
+    p, md, cache = _stage_inputs(attn, config, rows, q, contexts, pad)
+    if ties:
+        cache.pooled_key[:] = cache.pooled_key[0, 0]
+        # Keys and gates equal too, so the pools this step completes tie with the cached ones.
+        cache.index_key[:] = cache.index_key[0, 0]
+        cache.index_gate[:] = cache.index_gate[0, 0]
+        p = p._replace(ki=cache.index_key[0, :1].expand_as(p.ki).clone(),
+                       gi=cache.index_gate[0, :1].expand_as(p.gi).clone())
+    seen = []
+    real = indexer_module.top_pools
+    monkeypatch.setattr(indexer_module, "top_pools", lambda s, v, k: seen.append((s.clone(), v)) or real(s, v, k))
+    stock_cache = copy.deepcopy(cache)
+    want, want_sel = attn.attention(p, md, stock_cache, return_selection=True)
+    stage = DsaStage(attn, torch.float32)
+    got, got_sel = stage(p, md, cache, return_selection=True)
+    live = [i for i in range(rows * q) if md.slot_mapping[i] >= 0]
+    assert rel(got[live], want[live]) < 1e-4
+    for a, b in zip((cache.latent, cache.index_key, cache.index_gate, cache.pooled_key),
+                    (stock_cache.latent, stock_cache.index_key, stock_cache.index_gate, stock_cache.pooled_key)):
+        assert torch.equal(a[:-1], b[:-1])  # the scratch block aside
+    (stock_scores, visible), = seen
+    mine = stage.scratch.get("scores", tuple(stock_scores.shape), torch.float32, "cpu")
+    for i in live:
+        vis = visible[i]
+        assert rel(mine[i][vis], stock_scores[i][vis]) < 1e-6
+        assert set(got_sel[i].tolist()) - {-1} == set(want_sel[i].tolist()) - {-1}, i
+    if ties:
+        k = config.index_topk_pools
+        for i in live:
+            assert got_sel[i].tolist() == list(range(k)), i
+    # A reused selection (an MTP draft step's) attends the same pools as the stock module does with it.
+    again, again_sel = stage(p, md, cache, selection=want_sel, return_selection=True)
+    stock_again, _ = attn.attention(p, md, stock_cache, selection=want_sel)
+    assert rel(again[live], stock_again[live]) < 1e-4 and torch.equal(again_sel, want_sel)
+
+
+# ---------------------------------------------------------------- GPU, real shapes
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+@pytest.mark.parametrize("rows,q,context", [(1, 1, 8192), (7, 1, 3000), (64, 1, 8192), (3, 4, 20000),
+                                            (2, 1, 131072)])
+def test_real_shapes_bf16_against_fp32(rows, q, context):
+    dev, kp, bs, k = "cuda", 4, 64, 512
+    h, n, r, v, hi, d = 64, 256, 512, 256, 32, 128
+    width = -(-(context + q) // bs)
+    blocks = rows * width + 1
+    w = random_layer(h, n, r, v, kp, k, dev, torch.bfloat16)
+    latent, pooled = random_caches(blocks, bs, r, d, kp, dev, torch.bfloat16)
+    positions = [context + j for _ in range(rows) for j in range(q)]
+    seqs = [i for i in range(rows) for _ in range(q)]
+    slots = [0] * (rows * q)
+    pos, seq, slot, tables = step(positions, seqs, slots, width, blocks, dev)
+    t = rows * q
+    g = torch.Generator(device=dev).manual_seed(10)
+    qq = torch.randn(t, h, n, generator=g, device=dev).to(torch.bfloat16)
+    qi = torch.randn(t, hi, d, generator=g, device=dev).to(torch.bfloat16)
+    wi = torch.randn(t, hi, generator=g, device=dev) * 0.1
+    n_pools = width * bs // kp
+    plan = plan_dsa(t, h, n_pools, k, kp, torch.cuda.get_device_properties(0).multi_processor_count)
+    scores = index_scores(qi, wi, pos, slot, seq, tables, pooled, kp, d**-0.5, plan,
+                          out=torch.full((t, n_pools), float("nan"), device=dev))
+    want = index_scores_reference(qi.float(), wi, pos, slot, seq, tables, pooled.float(), kp, d**-0.5)
+    vis = ~want.isnan()
+    assert torch.equal(~scores.isnan() & vis, vis) and rel(scores[vis], want[vis]) < 1e-5
+    sel, count = select_pools(scores, pos, slot, kp, k, plan)
+    want_sel, want_count = select_pools_reference(scores, pos, slot, kp, k)
+    assert torch.equal(sel, want_sel) and torch.equal(count, want_count)  # same scores: same pools
+    out = torch.full((t, h, v), float("nan"), device=dev)
+    got = sparse_attention(qq, sel, count, pos, slot, seq, tables, latent, w, plan, out=out)
+    w32 = DsaWeights(w.w_uk.float(), w.w_uv_t.float(), kp, k, w.scale, w.index_scale)
+    ref = sparse_attention_reference(qq.float(), sel, count, pos, slot, seq, tables, latent.float(), w32)
+    torch.cuda.synchronize()
+    assert not got.isnan().any() and rel(got, ref) < 2e-2
