@@ -18,7 +18,6 @@ import torch
 
 from ..forward import AttnMetadata, DsaCache
 from ..kernels.dsa import DsaPlan, DsaScratch, DsaWeights, index_scores, plan_dsa, select_pools, sparse_attention
-from ..kernels.kda import sm_count
 from ..model.dsa import DsaProjections, SparseMLA
 from ..parallel.collectives import all_reduce
 
@@ -46,8 +45,9 @@ class DsaStage:
         key = (tokens, n_pools)
         if key not in self._plans:
             dev = self.weights.w_uk.device
+            sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
             self._plans[key] = plan_dsa(tokens, self.weights.num_heads, n_pools, self.weights.topk_pools,
-                                        self.weights.kpool, sm_count(dev), on_gpu=dev.type == "cuda")
+                                        self.weights.kpool, sms, on_gpu=dev.type == "cuda")
         return self._plans[key]
 
     def __call__(self, p: DsaProjections, md: AttnMetadata, cache: DsaCache, selection: torch.Tensor | None = None,
