@@ -93,6 +93,28 @@ def _decay_write(s, kn, gk, beta, av):
 
 
 @triton.jit
+def _finish_window(conv_base, win_ptr, s_win, q_ptr, k_ptr, v_ptr, sq, sk, sv, slot, row, h, HK, live,
+                   Q: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KEEP: tl.constexpr, TAPS: tl.constexpr,
+                   VERIFY: tl.constexpr):
+    """The head's conv window once every program of the head has read the old one: advanced over the step,
+    or (VERIFY) kept, with the old rows and the step's rows saved for the commit."""
+    kk = tl.arange(0, K)
+    vall = tl.arange(0, V)
+    pk = h * K + kk
+    pv = h * V + vall
+    if live:
+        if VERIFY:
+            win_base = win_ptr + slot * (3 * HK) * s_win
+            _save_window(conv_base, win_base, s_win, q_ptr, sq, pk, pk, row, Q, KEEP, TAPS)
+            _save_window(conv_base, win_base, s_win, k_ptr, sk, HK + pk, pk, row, Q, KEEP, TAPS)
+            _save_window(conv_base, win_base, s_win, v_ptr, sv, 2 * HK + pv, pv, row, Q, KEEP, TAPS)
+        else:
+            _advance_window(conv_base, q_ptr, sq, pk, pk, row, Q, KEEP, TAPS)
+            _advance_window(conv_base, k_ptr, sk, HK + pk, pk, row, Q, KEEP, TAPS)
+            _advance_window(conv_base, v_ptr, sv, 2 * HK + pv, pv, row, Q, KEEP, TAPS)
+
+
+@triton.jit
 def kda_decode_kernel(
     q_ptr, k_ptr, v_ptr, b_ptr, f_ptr, g_ptr, sq, sk, sv, sb, sf, sg,
     conv_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, norm_w_ptr,
@@ -105,8 +127,9 @@ def kda_decode_kernel(
     """Grid (rows, H, V // BLOCK_V); see the module docstring. Projection inputs [rows * Q, width] with
     row strides sq..sg; conv window [slots, 3HK, KEEP] (q | k | v channels); conv taps [3HK, KEEP + 1]
     fp32; state [slots, H, K, V] fp32; out [rows * Q, H * V]; part [rows * Q, H, V // BLOCK_V] fp32 and
-    count [rows, H] int32 (zero, and left zero) are scratch. Verify: window [slots, 3HK, s_win], k / g
-    [slots, s_vq, H, K], v [slots, s_vq, H, V], beta [slots, s_vq, H] (fp32)."""
+    count [rows, H] int32 (zero, and left zero) are scratch where BLOCK_V < V (one program per head needs
+    neither). Verify: window [slots, 3HK, s_win], k / g [slots, s_vq, H, K], v [slots, s_vq, H, V], beta
+    [slots, s_vq, H] (fp32)."""
     row = tl.program_id(0)
     h = tl.program_id(1)
     j = tl.program_id(2)
@@ -116,50 +139,59 @@ def kda_decode_kernel(
     dtype = out_ptr.dtype.element_ty
     kk = tl.arange(0, K)
     vv = j * BLOCK_V + tl.arange(0, BLOCK_V)
-    slot = tl.load(index_ptr + row).to(tl.int64)
-    if slot < 0:  # padding: zeros out, no state touched
-        for t in range(Q):
-            tl.store(out_ptr + (row * Q + t) * HV + h * V + vv, tl.zeros([BLOCK_V], dtype=dtype))
-    else:
-        cq = h * K + kk  # the head's q channels, and their projection columns
-        ck = HK + h * K + kk
-        cv = 2 * HK + h * V + vv
-        rate = tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
-        dt = tl.load(dt_bias_ptr + h * K + kk).to(tl.float32)
-        sp = state_ptr + slot * HK * V + h * K * V + kk[:, None] * V + vv[None, :]
-        s = tl.load(sp)
-        conv_base = conv_ptr + slot * (3 * HK) * KEEP
-        part_base = part_ptr + (row * Q * H + h) * NV + j
+    index = tl.load(index_ptr + row).to(tl.int64)
+    live = index >= 0  # padding rows (negative index) write zeros and touch no state
+    slot = tl.maximum(index, 0)
+    cq = h * K + kk  # the head's q channels, and their projection columns
+    ck = HK + h * K + kk
+    cv = 2 * HK + h * V + vv
+    rate = tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
+    dt = tl.load(dt_bias_ptr + h * K + kk).to(tl.float32)
+    w_norm = tl.load(norm_w_ptr + vv).to(tl.float32)
+    sp = state_ptr + slot * HK * V + h * K * V + kk[:, None] * V + vv[None, :]
+    s = tl.load(sp, mask=live, other=0.0)
+    conv_base = conv_ptr + slot * (3 * HK) * KEEP
+    part_base = part_ptr + (row * Q * H + h) * NV + j
 
-        for t in range(Q):
-            tok = row * Q + t
-            aq = _conv_silu(conv_base, conv_w_ptr, q_ptr, sq, cq, h * K + kk, row, t, Q, KEEP, TAPS, dtype)
-            ak = _conv_silu(conv_base, conv_w_ptr, k_ptr, sk, ck, h * K + kk, row, t, Q, KEEP, TAPS, dtype)
-            av = _conv_silu(conv_base, conv_w_ptr, v_ptr, sv, cv, h * V + vv, row, t, Q, KEEP, TAPS, dtype)
-            qn = aq / tl.sqrt(tl.sum(aq * aq, 0) + l2_eps) * scale
-            kn = ak / tl.sqrt(tl.sum(ak * ak, 0) + l2_eps)
-            raw = tl.load(f_ptr + tok * sf + h * K + kk).to(tl.float32) + dt
-            gk = lower_bound * tl.sigmoid(rate * raw)
-            beta = tl.sigmoid(tl.load(b_ptr + tok * sb + h).to(tl.float32)).to(dtype).to(tl.float32)
+    for t in range(Q):
+        tok = row * Q + t
+        aq = _conv_silu(conv_base, conv_w_ptr, q_ptr, sq, cq, h * K + kk, row, t, Q, KEEP, TAPS, dtype)
+        ak = _conv_silu(conv_base, conv_w_ptr, k_ptr, sk, ck, h * K + kk, row, t, Q, KEEP, TAPS, dtype)
+        av = _conv_silu(conv_base, conv_w_ptr, v_ptr, sv, cv, h * V + vv, row, t, Q, KEEP, TAPS, dtype)
+        qn = aq / tl.sqrt(tl.sum(aq * aq, 0) + l2_eps) * scale
+        kn = ak / tl.sqrt(tl.sum(ak * ak, 0) + l2_eps)
+        raw = tl.load(f_ptr + tok * sf + h * K + kk).to(tl.float32) + dt
+        gk = lower_bound * tl.sigmoid(rate * raw)
+        beta = tl.sigmoid(tl.load(b_ptr + tok * sb + h).to(tl.float32)).to(dtype).to(tl.float32)
 
-            s = _decay_write(s, kn, gk, beta, av)
-            o = tl.sum(s * qn[:, None], 0).to(dtype)
-            tl.store(out_ptr + tok * HV + h * V + vv, o)
-            of = o.to(tl.float32)
+        s = _decay_write(s, kn, gk, beta, av)
+        o = tl.sum(s * qn[:, None], 0).to(dtype)
+        of = o.to(tl.float32)
+        if NV == 1:  # the whole head here: normalise at once
+            rstd = 1.0 / tl.sqrt(tl.sum(of * of, 0) / V + eps)
+            gate = tl.load(g_ptr + tok * sg + h * V + vv).to(tl.float32)
+            y = tl.where(live, of * rstd * w_norm * tl.sigmoid(gate), 0.0)
+            tl.store(out_ptr + tok * HV + h * V + vv, y.to(dtype))
+        else:
+            tl.store(out_ptr + tok * HV + h * V + vv, tl.where(live, o, 0.0).to(dtype))
             tl.store(part_base + t * H * NV, tl.sum(of * of, 0))
 
-            if VERIFY:  # what the commit replays: this block's share of unit k and the decay, its v, beta
-                mine = (kk // BLOCK_V) == j
-                vbase = (slot * s_vq + t) * H + h
-                tl.store(vk_ptr + vbase * K + kk, kn, mask=mine)
-                tl.store(vg_ptr + vbase * K + kk, gk, mask=mine)
-                tl.store(vv_ptr + vbase * V + vv, av)
-                if j == 0:
-                    tl.store(vb_ptr + vbase, beta)
+        if VERIFY:  # what the commit replays: this block's share of unit k and the decay, its v, beta
+            mine = live & ((kk // BLOCK_V) == j)
+            vbase = (slot * s_vq + t) * H + h
+            tl.store(vk_ptr + vbase * K + kk, kn, mask=mine)
+            tl.store(vg_ptr + vbase * K + kk, gk, mask=mine)
+            tl.store(vv_ptr + vbase * V + vv, av, mask=live)
+            tl.store(vb_ptr + vbase, beta, mask=live & (j == 0))
 
-        if not VERIFY:
-            tl.store(sp, s)
+    if not VERIFY:
+        tl.store(sp, s, mask=live)
 
+    if NV == 1:
+        tl.debug_barrier()  # every thread has read the old window
+        _finish_window(conv_base, win_ptr, s_win, q_ptr, k_ptr, v_ptr, sq, sk, sv, slot, row, h, HK, live,
+                       Q, K, V, KEEP, TAPS, VERIFY)
+    else:
         # The head's last program to arrive finishes it: every program's stores are released before its
         # count (CTA barrier, then a release), and acquired by the program that completes the count.
         tl.debug_barrier()
@@ -174,19 +206,11 @@ def kda_decode_kernel(
                 parts = tl.load(part_ptr + ((row * Q + t) * H + h) * NV + nvb, volatile=True)
                 rstd = 1.0 / tl.sqrt(tl.sum(parts, 0) / V + eps)
                 gate = tl.load(g_ptr + tok * sg + h * V + vall).to(tl.float32)
-                tl.store(out_ptr + tok * HV + h * V + vall, (o * rstd * w * tl.sigmoid(gate)).to(dtype))
+                y = tl.where(live, o * rstd * w * tl.sigmoid(gate), 0.0)
+                tl.store(out_ptr + tok * HV + h * V + vall, y.to(dtype))
             # Every program of the head has read the old window: now it may change.
-            pk = h * K + kk
-            pv = h * V + vall
-            if VERIFY:
-                win_base = win_ptr + slot * (3 * HK) * s_win
-                _save_window(conv_base, win_base, s_win, q_ptr, sq, cq, pk, row, Q, KEEP, TAPS)
-                _save_window(conv_base, win_base, s_win, k_ptr, sk, ck, pk, row, Q, KEEP, TAPS)
-                _save_window(conv_base, win_base, s_win, v_ptr, sv, 2 * HK + pv, pv, row, Q, KEEP, TAPS)
-            else:
-                _advance_window(conv_base, q_ptr, sq, cq, pk, row, Q, KEEP, TAPS)
-                _advance_window(conv_base, k_ptr, sk, ck, pk, row, Q, KEEP, TAPS)
-                _advance_window(conv_base, v_ptr, sv, 2 * HK + pv, pv, row, Q, KEEP, TAPS)
+            _finish_window(conv_base, win_ptr, s_win, q_ptr, k_ptr, v_ptr, sq, sk, sv, slot, row, h, HK, live,
+                           Q, K, V, KEEP, TAPS, VERIFY)
             tl.atomic_xchg(count_ptr + row * H + h, 0)
 
 
