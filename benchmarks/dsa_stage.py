@@ -28,7 +28,7 @@ from glm5next.bench.floor import capture, measure_read_bandwidth, time_replays
 from glm5next.bench.slice import GLM53_FLASH_TEXT, build_slice_model
 from glm5next.config import Glm5NextConfig
 from glm5next.forward import DsaCache
-from glm5next.kernels.dsa import DsaWeights, index_scores, select_pools, sparse_attention
+from glm5next.kernels.dsa import DsaWeights, index_scores, plan_dsa, select_pools, sparse_attention
 from glm5next.model.dsa import DsaProjections
 from glm5next.runtime.metadata import build_metadata
 from glm5next.specialized_decode.dsa import DsaStage
@@ -95,6 +95,7 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64", help="decode steps: rows of one token")
     ap.add_argument("--verify", default="16x4", help="verify steps: ROWSxQ")
     ap.add_argument("--no-stock", action="store_true", help="skip the stock module")
+    ap.add_argument("--attend", default="", help="also time the attention alone at these plans: HEADS/BLOCK_N/WARPS,...")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -163,6 +164,28 @@ def main() -> None:
 
             row["indexer_us"] = median_us(indexer_only, rotate)
             row["attention_us"] = median_us(attention_only, rotate)
+            variants = {}
+            for v in filter(None, args.attend.split(",")):
+                hp, bn, wp = (int(x) for x in v.split("/"))
+                w0 = base.weights
+                vplan = plan_dsa(t, h, mds[0].block_tables.shape[1] * cache.pooled_key.shape[1], w0.topk_pools, w0.kpool,
+                                 torch.cuda.get_device_properties(dev).multi_processor_count, heads_per_program=hp,
+                                 block_n=bn, attend_warps=wp)
+
+                def attention_variant(vplan=vplan):
+                    for k in range(rotate):
+                        md, s, w = mds[k], stages[k], stages[k].weights
+                        sparse_attention(ps[k].q, s.scratch.get("sel", (t, w.topk_pools), torch.int64, dev),
+                                         s.scratch.get("count", (t,), torch.int32, dev), md.positions,
+                                         md.slot_mapping, md.token_to_seq, md.block_tables, cache.latent, w, vplan,
+                                         scratch=s.scratch)
+
+                try:
+                    variants[v] = round(median_us(attention_variant, rotate), 1)
+                except Exception as e:  # a tile that does not fit this GPU's registers or shared memory
+                    variants[v] = f"{type(e).__name__}"
+            if variants:
+                row["attention_variants_us"] = variants
             # Accuracy on the first rotation: the stage's values and pools against the stock module's.
             got, got_sel = stages[0](ps[0], mds[0], cache, return_selection=True)
             want, want_sel = attn.attention(ps[0], mds[0], cache, return_selection=True)
@@ -177,7 +200,8 @@ def main() -> None:
             log(f"ctx={context} rows={rows} q={q}: floor {row['floor_us']:.1f} us (fp8 W {row['floor_fp8_us']:.1f}), "
                 f"stage {row['stage_us']:.1f} us ({100 * row['stage_bw_fraction']:.0f} %; indexer "
                 f"{row['indexer_us']:.1f}, attention {row['attention_us']:.1f}), stock {stock} us; rel err "
-                f"{row['rel_err_vs_stock']:.1e}, same pools {100 * row['same_selection']:.0f} %")
+                f"{row['rel_err_vs_stock']:.1e}, same pools {100 * row['same_selection']:.0f} %"
+                + (f"; attention plans {row['attention_variants_us']}" if "attention_variants_us" in row else ""))
         cache = stages = None  # free this context's caches before the next one's
         torch.cuda.empty_cache()
     if args.out:

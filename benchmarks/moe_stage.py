@@ -36,7 +36,8 @@ from profile_step import profile_graph
 VARIANTS = {
     "router_split": [8, 32],
     "router_block_e": [16, 64],
-    "router_block_k": [32, 128],
+    "router_block_k": [32, 128, 256],
+    "block_k": [64],
     "block_m": [16, 32, 64],
     "gate_up_block_n": [32, 64, 128],
     "down_block_n": [32, 64, 128],

@@ -108,9 +108,11 @@ def stage_launches(w: dict, config: Glm5NextConfig, stage: str, choice: str, T: 
         return [dict(launch="index_scores", grid=(T, p.score_splits), block_p=p.block_p, warps=p.num_warps),
                 dict(launch="select_pools", grid=(T,), block=p.select_block, radix="4 x 8 bits"),
                 dict(launch="absorb", grid=(h, -(-r // p.block_r)), block=(p.block_m, p.block_k, p.block_r)),
-                dict(launch="attend", grid=(T, groups, p.kv_splits), heads=p.heads_per_program, block_n=p.block_n),
-                dict(launch="value_up", grid=(h, -(-v // p.block_v)), block_v=p.block_v,
-                     cache_writes="stock write_cache before the launches")]
+                dict(launch="attend", grid=(T, groups, p.kv_splits), heads=p.heads_per_program, block_n=p.block_n,
+                     warps=p.attend_warps)] + \
+            ([dict(launch="combine", grid=(T, h), block_r=p.combine_block_r)] if p.kv_splits > 1 else []) + \
+            [dict(launch="value_up", grid=(h, -(-v // p.block_v)), block_v=p.block_v, block_k=p.up_block_k,
+                  cache_writes="stock write_cache before the launches")]
     if stage == "moe":
         if not any(config.moe_layers):
             return []

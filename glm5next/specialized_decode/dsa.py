@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 
 from ..forward import AttnMetadata, DsaCache
-from ..kernels.dsa import DsaPlan, DsaScratch, DsaWeights, index_scores, plan_dsa, select_pools, sparse_attention
+from ..kernels.dsa import (DsaPlan, DsaScratch, DsaWeights, index_scores, plan_dsa, select_pools, sparse_attention,
+                           write_cache)
 from ..model.dsa import DsaProjections, SparseMLA
 from ..parallel.collectives import all_reduce
 
@@ -28,6 +29,7 @@ class DsaStage:
     def __init__(self, attn: SparseMLA, dtype: torch.dtype) -> None:
         self.attn = attn
         self.weights = DsaWeights.of(attn, dtype)
+        self.ape = attn.indexer.index_kpool_compress_ape.float().contiguous()
         self.scratch = DsaScratch()
         self._plans: dict[tuple[int, int], DsaPlan] = {}
 
@@ -53,10 +55,11 @@ class DsaStage:
     def __call__(self, p: DsaProjections, md: AttnMetadata, cache: DsaCache, selection: torch.Tensor | None = None,
                  return_selection: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`SparseMLA.attention(p, md, cache, selection, return_selection)` of a decode or verify step."""
-        self.attn.write_cache(p, md, cache)
         t, dev, w = p.q.shape[0], p.q.device, self.weights
         if md.num_decode_tokens != t:
             raise ValueError(f"{t} tokens in a step of {md.num_decode_tokens} decode tokens")
+        write_cache(p.c, p.ki, p.gi, md.positions, md.slot_mapping, md.token_to_seq, self.ape, cache.latent,
+                    cache.index_key, cache.index_gate, cache.pooled_key)
         tables, seqs, pos, slots = md.block_tables, md.token_to_seq, md.positions, md.slot_mapping
         n_pools = tables.shape[1] * cache.pooled_key.shape[1]
         plan = self.plan(t, n_pools)

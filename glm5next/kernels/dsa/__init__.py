@@ -13,14 +13,15 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .attention import absorb_kernel, attend_kernel, value_up_kernel
+from .attention import absorb_kernel, attend_kernel, combine_kernel, value_up_kernel
+from .cache import write_cache_kernel
 from .indexer import index_scores_kernel, select_pools_kernel
 from .reference import (dsa_decode_reference, index_scores_reference, select_pools_reference,
                         sparse_attention_reference)
 
 __all__ = ["DsaPlan", "DsaScratch", "DsaWeights", "dsa_decode", "dsa_decode_reference", "index_scores",
            "index_scores_reference", "plan_dsa", "select_pools", "select_pools_reference", "sparse_attention",
-           "sparse_attention_reference"]
+           "sparse_attention_reference", "write_cache"]
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,9 @@ class DsaPlan:
     block_r: int
     block_v: int
     up_block_k: int
-    """Latent columns per step of the value-up's combine (a [rows, splits, up_block_k] tile)."""
+    """Latent columns per step of the value-up's product."""
+    combine_block_r: int
+    """Latent columns per step of the split combine (a [splits, combine_block_r] tile)."""
     num_warps: int = 4
     attend_warps: int = 8
     """Warps of the attention launch, whose [heads, R] context and [block_n, R] latent tile are its largest."""
@@ -86,14 +89,14 @@ def plan_dsa(tokens: int, heads: int, n_pools: int, topk_pools: int, kpool: int,
     programs, each split at least 128 rows long."""
     block_p = 64
     score_splits = max(1, min(-(-2 * sms // tokens), -(-n_pools // block_p)))
-    heads_per_program = min(16, _pow2(heads)) if on_gpu else _pow2(heads)
+    heads_per_program = overrides.pop("heads_per_program", min(64, _pow2(heads)) if on_gpu else _pow2(heads))
     groups = -(-heads // heads_per_program)
     most = max(1, -(-(topk_pools * kpool + kpool - 1) // 128))
     kv_splits = max(1, min(most, -(-2 * sms // (tokens * groups))))
     p = dict(score_splits=score_splits, block_p=block_p, select_block=1024 if on_gpu else 128,
-             heads_per_program=heads_per_program, kv_splits=kv_splits, block_n=16 if on_gpu else 64,
+             heads_per_program=heads_per_program, kv_splits=kv_splits, block_n=32 if on_gpu else 64,
              block_m=min(64, _pow2(tokens)), block_k=64 if on_gpu else 32, block_r=128 if on_gpu else 64,
-             block_v=64 if on_gpu else 32, up_block_k=32 if on_gpu else 64)
+             block_v=32, up_block_k=64, combine_block_r=128 if on_gpu else 64)
     p.update(overrides)
     return DsaPlan(**p)
 
@@ -123,6 +126,30 @@ def _pools_of(block_tables: torch.Tensor, pooled_key: torch.Tensor) -> tuple[int
     if block_tables.stride(1) != 1:
         raise ValueError("block tables need unit column stride")
     return pooled_key.shape[1], block_tables.shape[1] * pooled_key.shape[1]
+
+
+def write_cache(c: torch.Tensor, ki: torch.Tensor, gi: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                token_to_seq: torch.Tensor, ape: torch.Tensor, latent: torch.Tensor, index_key: torch.Tensor,
+                index_gate: torch.Tensor, pooled_key: torch.Tensor) -> None:
+    """Store the step's latents c [T, R], indexer keys ki and gate logits gi [T, d] in their token rows
+    (padding in the scratch block's first row), and the pooled key of every pool a token completes,
+    `compress_pool` of its kpool rows with `ape` [kpool, d] fp32. Caches [blocks + 1, rows, width]
+    (contiguous; the last block is the scratch block)."""
+    t, r = c.shape
+    kp, d = ape.shape
+    _check_tokens(positions, slots, token_to_seq, t)
+    for name, x, width in (("c", c, r), ("ki", ki, d), ("gi", gi, d)):
+        if x.shape != (t, width) or x.stride(1) != 1:
+            raise ValueError(f"{name} must be [{t}, {width}] with unit channel stride, got {tuple(x.shape)}")
+    caches = (latent, index_key, index_gate, pooled_key)
+    if not all(x.is_contiguous() for x in caches) or latent.shape[2] != r or pooled_key.shape[2] != d:
+        raise ValueError("the DSA caches must be contiguous with the step's widths")
+    if t:
+        scratch_row = (latent.shape[0] - 1) * latent.shape[1]
+        write_cache_kernel[(t,)](
+            c, ki, gi, positions, slots, token_to_seq, ape, latent, index_key, index_gate, pooled_key,
+            c.stride(0), ki.stride(0), gi.stride(0), scratch_row, t, r, d,
+            KP=kp, RP=_pow2(r), DP=_pow2(d), num_warps=4)
 
 
 def index_scores(qi: torch.Tensor, wi: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -195,24 +222,30 @@ def sparse_attention(q: torch.Tensor, selection: torch.Tensor, count: torch.Tens
     dev = q.device
     splits = plan.kv_splits
     ieee = latent.dtype == torch.float32
-    qlat = scratch.get("qlat", (t, h, r), torch.float32, dev)
+    qlat = scratch.get("qlat", (t, h, r), latent.dtype, dev)
     absorb_kernel[(h, triton.cdiv(r, plan.block_r))](
         q, w.w_uk, qlat, t, h, n, r, q.stride(0), q.stride(1),
         BLOCK_M=plan.block_m, BLOCK_K=plan.block_k, BLOCK_R=plan.block_r, IEEE=ieee, num_warps=plan.num_warps)
-    acc = scratch.get("acc", (t, h, splits, r), torch.float32, dev)
-    ml = scratch.get("ml", (t, h, splits, 2), torch.float32, dev)
+    ctx = scratch.get("ctx", (t, h, r), latent.dtype, dev)
+    if splits > 1:
+        acc = scratch.get("acc", (t, h, splits, r), torch.float32, dev)
+        ml = scratch.get("ml", (t, h, splits, 2), torch.float32, dev)
+    else:
+        acc, ml = ctx, ctx
     hp = plan.heads_per_program
     attend_kernel[(t, triton.cdiv(h, hp), splits)](
         qlat, selection, count, positions, slots, token_to_seq, block_tables, latent, acc, ml,
         selection.stride(0), block_tables.stride(0), n_pools, h, r, w.scale, splits,
-        KS=selection.shape[1], KP=w.kpool, BS=bs, HEADS=hp, RP=_pow2(r), BLOCK_N=plan.block_n,
+        KS=selection.shape[1], KP=w.kpool, BS=bs, HEADS=hp, RP=_pow2(r), BLOCK_N=plan.block_n, SPLIT=splits > 1,
         IEEE=ieee, num_warps=plan.attend_warps)
+    if splits > 1:
+        combine_kernel[(t, h)](acc, ml, slots, ctx, h, r, splits, SP=triton.next_power_of_2(splits),
+                               BLOCK_R=plan.combine_block_r, num_warps=plan.num_warps)
     out = torch.empty(t, h, v, dtype=torch.float32, device=dev) if out is None else out
     if out.shape != (t, h, v) or not out.is_contiguous():
         raise ValueError(f"values must be [{t}, {h}, {v}] contiguous")
     value_up_kernel[(h, triton.cdiv(v, plan.block_v))](
-        acc, ml, slots, w.w_uv_t, out, t, h, r, v, splits,
-        SP=triton.next_power_of_2(splits), BLOCK_M=min(16, plan.block_m), BLOCK_K=plan.up_block_k,
+        ctx, slots, w.w_uv_t, out, t, h, r, v, BLOCK_M=min(64, plan.block_m), BLOCK_K=plan.up_block_k,
         BLOCK_V=plan.block_v, IEEE=ieee, num_warps=plan.num_warps)
     return out
 

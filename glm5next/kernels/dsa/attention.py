@@ -1,7 +1,8 @@
-"""The sparse latent attention of a DSA decode step, in three launches.
+"""The sparse latent attention of a DSA decode step: absorb, attend, (combine,) value-up.
 
 `absorb_kernel` — grid (heads, latent blocks): the absorbed queries `q_lat[t, h] = q[t, h] @ W_UK[h]`
-[T, H, R] fp32, every token of the step at once, so each head's W_UK block is read once per BLOCK_M tokens.
+[T, H, R] in the latent cache's dtype (fp32 accumulation), every token of the step at once, so each
+head's W_UK block is read once per BLOCK_M tokens.
 
 `attend_kernel` — grid (tokens, head groups, splits). A token's selected rows form one list: four rows per
 selected pool (in the selection's order), then its incomplete-pool tail `[kpool * floor((pos+1)/kpool),
@@ -9,13 +10,16 @@ pos]`; the pools counted by `count` come first, the tail right after them, so th
 token needs and the splits share it evenly. Entries that are negative, invisible or past the block table
 are skipped: they score the lowest finite fp32 and read the sequence's first row, so a token left with
 no row at all (a reused selection whose pools it cannot see yet, and no tail) attends that row, as the
-stock module's masked softmax does. Each split reads its latent rows once through the
-block table for HEADS heads together ([HEADS, R] x [R, BLOCK_N] scores, scaled), keeps an online softmax
-and writes its unnormalised context [HEADS, R] with its running max and sum.
+stock module's masked softmax does. Each split reads its latent rows once through the block table for
+HEADS heads together (scores [HEADS, R] x [R, BLOCK_N] and context [HEADS, BLOCK_N] x [BLOCK_N, R] as
+tensor-core products of the cache's dtype with fp32 accumulation) and keeps an online softmax. With one
+split it writes the normalised context [T, H, R] (cache dtype) itself; with several, its unnormalised
+context with its running max and sum, and `combine_kernel` — grid (tokens, heads) — merges them in split
+order (weights `exp(m_s - max) / sum`: deterministic).
 
-`value_up_kernel` — grid (heads, value blocks): the splits' contexts combined in split order (weights
-`exp(m_s - max) / sum`: deterministic), then `@ W_UV[h]^T` (the kernel reads `W_UV^T` [H, R, V]), for
-every token; padding tokens (slot -1) get zeros.
+`value_up_kernel` — grid (heads, value blocks): `context @ W_UV[h]^T` (the kernel reads `W_UV^T`
+[H, R, V]) for every token, one [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_V] product per step of the latent;
+padding tokens (slot -1) get zeros.
 """
 
 from __future__ import annotations
@@ -26,9 +30,11 @@ import triton.language as tl
 
 @triton.jit
 def _dot(a, b, IEEE: tl.constexpr):
+    """a @ b with fp32 accumulation: exact fp32 products in IEEE mode (the interpreter's fp32 tests),
+    else tensor-core products of the operands' (16-bit) dtype."""
     if IEEE:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    return tl.dot(a, b)
 
 
 @triton.jit
@@ -37,7 +43,7 @@ def absorb_kernel(
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
 ):
     """q [T, H, N] (row stride s_qt, head stride s_qh, unit channel stride); W_UK [H, N, R] contiguous;
-    out [T, H, R] fp32 contiguous."""
+    out [T, H, R] contiguous (its dtype: the products' rounding)."""
     h = tl.program_id(0)
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     rok = r < R
@@ -50,11 +56,9 @@ def absorb_kernel(
             kok = k < N
             x = tl.load(q_ptr + t[:, None] * s_qt + h * s_qh + k[None, :], mask=tok[:, None] & kok[None, :], other=0.0)
             w = tl.load(w_ptr + (h * N + k[:, None]) * R + r[None, :], mask=kok[:, None] & rok[None, :], other=0.0)
-            if IEEE:
-                acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-            else:
-                acc += tl.dot(x.to(w.dtype), w)
-        tl.store(out_ptr + (t[:, None] * H + h) * R + r[None, :], acc, mask=tok[:, None] & rok[None, :])
+            acc += _dot(x.to(w.dtype), w, IEEE)
+        tl.store(out_ptr + (t[:, None] * H + h) * R + r[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=tok[:, None] & rok[None, :])
 
 
 @triton.jit
@@ -62,11 +66,12 @@ def attend_kernel(
     qlat_ptr, sel_ptr, count_ptr, pos_ptr, slot_ptr, seq_ptr, tab_ptr, lat_ptr, acc_ptr, ml_ptr,
     s_sel, s_tab, n_pools, H, R, scale, splits,
     KS: tl.constexpr, KP: tl.constexpr, BS: tl.constexpr, HEADS: tl.constexpr, RP: tl.constexpr,
-    BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """q_lat [T, H, R] fp32; selection [T, KS] int64 (row stride s_sel) with `count` [T] int32 leading
-    entries to read; latent cache [blocks + 1, BS, R]; block tables [seqs, blocks] (row stride s_tab);
-    out: acc [T, H, splits, R] fp32, ml [T, H, splits, 2] fp32 (running max, running sum)."""
+    """q_lat [T, H, R]; selection [T, KS] int64 (row stride s_sel) with `count` [T] int32 leading
+    entries to read; latent cache [blocks + 1, BS, R]; block tables [seqs, blocks] (row stride s_tab).
+    SPLIT: acc [T, H, splits, R] fp32 and ml [T, H, splits, 2] fp32 (running max, running sum); else
+    acc is the context [T, H, R] (q_lat's dtype) and ml unused."""
     t = tl.program_id(0)
     hg = tl.program_id(1)
     split = tl.program_id(2)
@@ -109,48 +114,65 @@ def attend_kernel(
             alpha = tl.exp(m_i - m_safe)
             p = tl.exp(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + _dot(p, c, IEEE)
+            acc = acc * alpha[:, None] + _dot(p.to(c.dtype), c, IEEE)
             m_i = m_new
-        base = (t * H + hh) * splits + split
-        tl.store(acc_ptr + base[:, None] * R + r[None, :], acc, mask=hok[:, None] & rok[None, :])
-        tl.store(ml_ptr + base * 2, m_i, mask=hok)
-        tl.store(ml_ptr + base * 2 + 1, l_i, mask=hok)
+        if SPLIT:
+            base = (t * H + hh) * splits + split
+            tl.store(acc_ptr + base[:, None] * R + r[None, :], acc, mask=hok[:, None] & rok[None, :])
+            tl.store(ml_ptr + base * 2, m_i, mask=hok)
+            tl.store(ml_ptr + base * 2 + 1, l_i, mask=hok)
+        else:
+            ctx = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            tl.store(acc_ptr + (t * H + hh[:, None]) * R + r[None, :], ctx.to(acc_ptr.dtype.element_ty),
+                     mask=hok[:, None] & rok[None, :])
+
+
+@triton.jit
+def combine_kernel(
+    acc_ptr, ml_ptr, slot_ptr, ctx_ptr, H, R, splits, SP: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """acc [T, H, splits, R], ml [T, H, splits, 2] fp32 (from `attend_kernel`) into the context [T, H, R]
+    (its dtype); padding tokens are left alone (the value-up zeroes them)."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    if tl.load(slot_ptr + t) >= 0:
+        sp = tl.arange(0, SP)
+        spok = sp < splits
+        base = (t * H + h) * splits + sp
+        m = tl.load(ml_ptr + base * 2, mask=spok, other=float("-inf"))
+        l = tl.load(ml_ptr + base * 2 + 1, mask=spok, other=0.0)
+        top = tl.max(m, 0)
+        top = tl.where(top == float("-inf"), 0.0, top)
+        wgt = tl.exp(m - top)
+        den = tl.sum(wgt * l, 0)
+        wgt = wgt / tl.where(den > 0, den, 1.0)
+        for r0 in range(0, R, BLOCK_R):
+            r = r0 + tl.arange(0, BLOCK_R)
+            rok = r < R
+            parts = tl.load(acc_ptr + base[:, None] * R + r[None, :], mask=spok[:, None] & rok[None, :], other=0.0)
+            x = tl.sum(wgt[:, None] * parts, 0)  # splits summed in order
+            tl.store(ctx_ptr + (t * H + h) * R + r, x.to(ctx_ptr.dtype.element_ty), mask=rok)
 
 
 @triton.jit
 def value_up_kernel(
-    acc_ptr, ml_ptr, slot_ptr, w_ptr, out_ptr, T, H, R, V, splits,
-    SP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-    IEEE: tl.constexpr,
+    ctx_ptr, slot_ptr, w_ptr, out_ptr, T, H, R, V,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """acc [T, H, splits, R], ml [T, H, splits, 2] fp32 (from `attend_kernel`); W_UV^T [H, R, V]
-    contiguous; out [T, H, V] fp32 contiguous."""
+    """context [T, H, R]; W_UV^T [H, R, V] contiguous; out [T, H, V] fp32 contiguous."""
     h = tl.program_id(0)
     v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     vok = v < V
-    sp = tl.arange(0, SP)
-    spok = sp < splits
     for m0 in range(0, T, BLOCK_M):
         t = m0 + tl.arange(0, BLOCK_M)
         tok = t < T
         live = tok & (tl.load(slot_ptr + t, mask=tok, other=-1) >= 0)
-        both = live[:, None] & spok[None, :]
-        base = (t[:, None] * H + h) * splits + sp[None, :]  # [BLOCK_M, SP]
-        m = tl.load(ml_ptr + base * 2, mask=both, other=float("-inf"))
-        l = tl.load(ml_ptr + base * 2 + 1, mask=both, other=0.0)
-        top = tl.max(m, 1)
-        top = tl.where(top == float("-inf"), 0.0, top)
-        wgt = tl.exp(m - top[:, None])
-        den = tl.sum(wgt * l, 1)
-        wgt = wgt / tl.where(den > 0, den, 1.0)[:, None]
         out = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)
         for k0 in range(0, R, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             kok = k < R
-            parts = tl.load(acc_ptr + base[:, :, None] * R + k[None, None, :],
-                            mask=both[:, :, None] & kok[None, None, :], other=0.0)
-            x = tl.sum(wgt[:, :, None] * parts, 1)  # [BLOCK_M, BLOCK_K], splits summed in order
+            x = tl.load(ctx_ptr + (t[:, None] * H + h) * R + k[None, :], mask=live[:, None] & kok[None, :], other=0.0)
             w = tl.load(w_ptr + (h * R + k[:, None]) * V + v[None, :], mask=kok[:, None] & vok[None, :], other=0.0)
-            out += _dot(x, w, IEEE)
+            out += _dot(x.to(w.dtype), w, IEEE)
         out = tl.where(live[:, None], out, 0.0)
         tl.store(out_ptr + (t[:, None] * H + h) * V + v[None, :], out, mask=tok[:, None] & vok[None, :])
