@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .attention import absorb_kernel, attend_kernel, combine_kernel, value_up_kernel
+from .attention import absorb_kernel, attend_kernel, merge_splits_kernel, value_up_kernel
 from .cache import write_cache_kernel
 from .indexer import index_scores_kernel, select_pools_kernel
 from .reference import (dsa_decode_reference, index_scores_reference, select_pools_reference,
@@ -67,8 +67,8 @@ class DsaPlan:
     block_v: int
     up_block_k: int
     """Latent columns per step of the value-up's product."""
-    combine_block_r: int
-    """Latent columns per step of the split combine (a [splits, combine_block_r] tile)."""
+    merge_block_r: int
+    """Latent columns per step of the split merge (a [splits, merge_block_r] tile)."""
     num_warps: int = 4
     attend_warps: int = 8
     """Warps of the attention launch, whose [heads, R] context and [block_n, R] latent tile are its largest."""
@@ -86,17 +86,23 @@ def plan_dsa(tokens: int, heads: int, n_pools: int, topk_pools: int, kpool: int,
     """Tiles and splits for `tokens` tokens of `heads` heads over block tables of `n_pools` pools, on a
     GPU of `sms` SMs: the pool tiles of a token spread over enough programs to fill the GPU at one
     token; each token's selected rows split so that tokens x head groups x splits gives every SM two
-    programs, each split at least 128 rows long."""
+    programs, each split at least 128 rows long. Head groups from the H100's attention plans
+    (bench/results/2026-12-06-h100-dsa-attention-plans.log): 16 heads a program up to 4 tokens, 32 up to
+    16, all 64 above (8 warps)."""
     block_p = 64
     score_splits = max(1, min(-(-2 * sms // tokens), -(-n_pools // block_p)))
-    heads_per_program = overrides.pop("heads_per_program", min(64, _pow2(heads)) if on_gpu else _pow2(heads))
+    heads_per_program = _pow2(heads)
+    if on_gpu:
+        heads_per_program = min(heads_per_program, 16 if tokens <= 4 else 32 if tokens <= 16 else 64)
+    heads_per_program = overrides.pop("heads_per_program", heads_per_program)
     groups = -(-heads // heads_per_program)
     most = max(1, -(-(topk_pools * kpool + kpool - 1) // 128))
     kv_splits = max(1, min(most, -(-2 * sms // (tokens * groups))))
     p = dict(score_splits=score_splits, block_p=block_p, select_block=1024 if on_gpu else 128,
              heads_per_program=heads_per_program, kv_splits=kv_splits, block_n=32 if on_gpu else 64,
+             attend_warps=8 if heads_per_program >= 64 else 4,
              block_m=min(64, _pow2(tokens)), block_k=64 if on_gpu else 32, block_r=128 if on_gpu else 64,
-             block_v=32, up_block_k=64, combine_block_r=128 if on_gpu else 64)
+             block_v=32, up_block_k=64, merge_block_r=128 if on_gpu else 64)
     p.update(overrides)
     return DsaPlan(**p)
 
@@ -239,8 +245,8 @@ def sparse_attention(q: torch.Tensor, selection: torch.Tensor, count: torch.Tens
         KS=selection.shape[1], KP=w.kpool, BS=bs, HEADS=hp, RP=_pow2(r), BLOCK_N=plan.block_n, SPLIT=splits > 1,
         IEEE=ieee, num_warps=plan.attend_warps)
     if splits > 1:
-        combine_kernel[(t, h)](acc, ml, slots, ctx, h, r, splits, SP=triton.next_power_of_2(splits),
-                               BLOCK_R=plan.combine_block_r, num_warps=plan.num_warps)
+        merge_splits_kernel[(t, h)](acc, ml, slots, ctx, h, r, splits, SP=triton.next_power_of_2(splits),
+                               BLOCK_R=plan.merge_block_r, num_warps=plan.num_warps)
     out = torch.empty(t, h, v, dtype=torch.float32, device=dev) if out is None else out
     if out.shape != (t, h, v) or not out.is_contiguous():
         raise ValueError(f"values must be [{t}, {h}, {v}] contiguous")

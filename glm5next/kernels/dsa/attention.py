@@ -1,4 +1,4 @@
-"""The sparse latent attention of a DSA decode step: absorb, attend, (combine,) value-up.
+"""The sparse latent attention of a DSA decode step: absorb, attend, (merge the splits,) value-up.
 
 `absorb_kernel` — grid (heads, latent blocks): the absorbed queries `q_lat[t, h] = q[t, h] @ W_UK[h]`
 [T, H, R] in the latent cache's dtype (fp32 accumulation), every token of the step at once, so each
@@ -14,8 +14,8 @@ stock module's masked softmax does. Each split reads its latent rows once throug
 HEADS heads together (scores [HEADS, R] x [R, BLOCK_N] and context [HEADS, BLOCK_N] x [BLOCK_N, R] as
 tensor-core products of the cache's dtype with fp32 accumulation) and keeps an online softmax. With one
 split it writes the normalised context [T, H, R] (cache dtype) itself; with several, its unnormalised
-context with its running max and sum, and `combine_kernel` — grid (tokens, heads) — merges them in split
-order (weights `exp(m_s - max) / sum`: deterministic).
+context with its running max and sum, and `merge_splits_kernel` — grid (tokens, heads) — merges them in
+split order (weights `exp(m_s - max) / sum`: deterministic).
 
 `value_up_kernel` — grid (heads, value blocks): `context @ W_UV[h]^T` (the kernel reads `W_UV^T`
 [H, R, V]) for every token, one [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_V] product per step of the latent;
@@ -128,7 +128,7 @@ def attend_kernel(
 
 
 @triton.jit
-def combine_kernel(
+def merge_splits_kernel(
     acc_ptr, ml_ptr, slot_ptr, ctx_ptr, H, R, splits, SP: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """acc [T, H, splits, R], ml [T, H, splits, 2] fp32 (from `attend_kernel`) into the context [T, H, R]
