@@ -40,6 +40,17 @@ def metadata(rows: int, q: int, index: torch.Tensor) -> AttnMetadata:
                         num_spec_decodes=rows if q > 1 else 0, num_spec_decode_tokens=rows * q if q > 1 else 0)
 
 
+def fla_chain_parts():
+    """fla's conv update and gated RMSNorm: with its recurrence, the whole decode chain a vLLM-style KDA
+    layer runs on fla's kernels (None where fla lacks them)."""
+    try:
+        from fla.modules.causal_conv1d.ops import causal_conv1d_update
+        from fla.modules.norm.fused_norm_gate import rms_norm_gated
+    except ImportError:
+        return None
+    return causal_conv1d_update, rms_norm_gated
+
+
 def fla_peer():
     try:
         from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
@@ -134,6 +145,31 @@ def main() -> None:
                 row["fla_us"] = median_us(peer, rotate)
             except Exception as e:  # noqa: BLE001 - the peer's limits are part of the result
                 row["fla_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            parts = fla_chain_parts()
+            if parts is not None:
+                try:  # conv update of q, k, v (SiLU), the recurrence, the sigmoid-gated RMSNorm
+                    conv_update, norm_gated = parts
+                    taps = attn.conv_weight().float()
+                    taps = [taps[i * hk:(i + 1) * hk].contiguous() for i in range(3)]
+                    windows = [[torch.zeros(rows, hk, keep + 1, dtype=torch.bfloat16, device=dev) for _ in range(3)]
+                               for _ in range(rotate)]
+
+                    def chain():
+                        for p, idx, win in zip(ps, indices, windows):
+                            qc, kc, vc = (conv_update(x.view(t, hk), win[i], weight=taps[i], activation="silu")[0]
+                                          for i, x in enumerate((p.q, p.k, p.v)))
+                            o, _ = fla(qc.view(1, t, h, d), kc.view(1, t, h, d), vc.view(1, t, h, d),
+                                       p.f.view(1, t, h, d), p.b.view(1, t, h), A_log=attn.A_log,
+                                       dt_bias=attn.dt_bias, initial_state=recurrent, scale=d**-0.5,
+                                       inplace_final_state=True, cu_seqlens=cu, ssm_state_indices=idx,
+                                       use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                       use_beta_sigmoid_in_kernel=True, lower_bound=attn.lower_bound)
+                            norm_gated(o.view(t * h, d), p.g.view(t * h, d), attn.o_norm_weight, None,
+                                       activation="sigmoid", eps=attn.norm_eps)
+
+                    row["fla_chain_us"] = median_us(chain, rotate)
+                except Exception as e:  # noqa: BLE001
+                    row["fla_chain_error"] = f"{type(e).__name__}: {str(e)[:200]}"
         # Accuracy on fresh copies of the first rotation's slots: stage and stock against fp32.
         p, idx = ps[0], indices[0]
         c0, s0 = conv.clone(), recurrent.clone()
@@ -155,7 +191,8 @@ def main() -> None:
         peer_txt = f"{row['fla_us']:.1f}" if "fla_us" in row else row.get("fla_error", "-")[:80]
         log(f"rows={rows} q={q}: floor {floor_us:.1f} us, stage {row['stage_us']:.1f} us "
             f"({100 * row['stage_bw_fraction']:.0f} %, block_v {plan.block_v}), stock {row['stock_us']:.1f} us, "
-            f"fla {peer_txt}; rel err stage {row['stage_rel_err']:.1e} stock {row['stock_rel_err']:.1e}"
+            f"fla {peer_txt} (with conv and norm: {row.get('fla_chain_us', row.get('fla_chain_error', '-'))}); "
+            f"rel err stage {row['stage_rel_err']:.1e} stock {row['stock_rel_err']:.1e}"
             + (f"; block_v {row['block_v']}" if "block_v" in row else ""))
     if args.out:
         with open(args.out, "w") as f:
