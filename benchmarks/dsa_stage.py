@@ -152,7 +152,7 @@ def main() -> None:
                                  cache.pooled_key, w.kpool, w.index_scale, plan, sc)
                     select_pools(sc, md.positions, md.slot_mapping, w.kpool, w.topk_pools, plan,
                                  s.scratch.get("sel", (t, w.topk_pools), torch.int64, dev),
-                                 s.scratch.get("count", (t,), torch.int32, dev))
+                                 s.scratch.get("count", (t,), torch.int32, dev), s.scratch)
 
             def attention_only():
                 for k in range(rotate):

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from glm5next.forward import DsaCache
-from glm5next.kernels.dsa import (DsaWeights, index_scores, index_scores_reference, plan_dsa, select_pools,
-                                  select_pools_reference, sparse_attention, sparse_attention_reference)
+from glm5next.kernels.dsa import (DsaScratch, DsaWeights, index_scores, index_scores_reference, plan_dsa, select_levels,
+                                  select_pools, select_pools_reference, sparse_attention,
+                                  sparse_attention_reference)
 from glm5next.model import indexer as indexer_module
 from glm5next.model.indexer import top_pools
 from glm5next.runtime.metadata import build_metadata
@@ -62,7 +63,7 @@ def test_scores_and_selection_match_reference(hi, d, splits, block_p):
     qi, wi = torch.randn(t, hi, d, generator=g), torch.randn(t, hi, generator=g)
     _, pooled = random_caches(blocks, bs, 16, d, kp, seed=4)
     plan = plan_dsa(t, 4, width * bs // kp, k, kp, 8, on_gpu=False, score_splits=splits, block_p=block_p,
-                    select_block=16)
+                    select_chunk=16)
     scale = d**-0.5
     got = index_scores(qi, wi, pos, slots, seqs, tables, pooled, kp, scale, plan,
                        out=torch.full((t, width * bs // kp), float("nan")))
@@ -95,7 +96,7 @@ def test_forced_ties_go_to_the_lower_pool():
     scores[1, 30] = 2.0
     pos = torch.tensor([191, 191, 100, 60])
     slots = torch.tensor([0, 1, 2, 3])
-    plan = plan_dsa(t, 4, n_pools, k, kp, 8, on_gpu=False, select_block=16)
+    plan = plan_dsa(t, 4, n_pools, k, kp, 8, on_gpu=False, select_chunk=16)
     got, _ = select_pools(scores, pos, slots, kp, k, plan)
     want, _ = select_pools_reference(scores, pos, slots, kp, k)
     assert torch.equal(got, want)
@@ -106,6 +107,71 @@ def test_forced_ties_go_to_the_lower_pool():
         assert sorted(stock[row].tolist()) == got[row].tolist(), row
     # Counter-example: the higher pools among the tied ones are a different set.
     assert sorted(range(n_pools - k, n_pools)) != got[0].tolist()
+
+
+def test_select_levels():
+    """The launches of the selection: chunks of the table, then of the candidates, until one program per
+    token; one launch when the table fits a chunk; the real model's (K 512, chunks of 4096) at 8K, 128K
+    and 1M tokens of context."""
+    assert select_levels(32, 8, 16) == [(32, 2, 16), (16, 1, 16)]
+    assert select_levels(64, 8, 16) == [(64, 4, 16), (32, 2, 16), (16, 1, 16)]
+    assert select_levels(48, 8, 16) == [(48, 3, 16), (24, 2, 16), (16, 1, 16)]
+    assert select_levels(16, 8, 16) == [(16, 1, 16)]
+    assert select_levels(40, 8, 8) == [(40, 1, 64)]  # a chunk of at most K pools would keep them all
+    assert select_levels(17, 15, 16) == [(17, 1, 32)]  # two chunks would leave 30 candidates: no fewer
+    assert select_levels(2048, 512, 4096) == [(2048, 1, 2048)]
+    assert select_levels(32768, 512, 4096) == [(32768, 8, 4096), (4096, 1, 4096)]
+    assert select_levels(262144, 512, 4096) == [(262144, 64, 4096), (32768, 8, 4096), (4096, 1, 4096)]
+    assert plan_dsa(1, 64, 32768, 512, 4, 132).select_chunk == 4096
+    assert plan_dsa(1, 64, 2048, 512, 4, 132).select_chunk == 2048
+
+
+@pytest.mark.parametrize("chunk", [16, 32, 8, 64], ids=["three_levels", "two_levels", "chunk_at_k", "one_level"])
+def test_selection_over_chunks_with_ties_across_them(chunk):
+    """Tables of several chunks, tokens seeing more than K pools, with ties at the selection boundary that
+    straddle chunks (and one chunk holding more tied pools than K): every level keeps the lower pools
+    among equals, so the kernel keeps the reference's pools; padding and short tokens as before."""
+    kp, k, n_pools = 4, 8, 64
+    g = torch.Generator().manual_seed(11)
+    rows = []
+    tie = torch.zeros(n_pools)
+    tie[[3, 15, 16, 17, 31, 33, 47, 48, 63]] = 1.0  # the kept tied pools: 3, 15, 16, 17, 31 (then 33...)
+    tie[[20, 40, 50]] = 2.0
+    rows.append(tie)
+    rows.append(torch.ones(n_pools))  # all equal: the first k pools, all from the first chunk
+    wide = torch.zeros(n_pools)
+    wide[:20] = 1.0  # 20 tied pools over two chunks (16 of them in the first), two better ones after
+    wide[[45, 60]] = 3.0
+    rows.append(wide)
+    signed = torch.zeros(n_pools)
+    signed[::2] = -0.0
+    signed[[5, 18, 37]] = 0.5
+    rows.append(signed)  # -0.0 ties with +0.0
+    for _ in range(6):
+        rows.append(torch.randint(0, 3, (n_pools,), generator=g).float())
+    rows.append(torch.randn(n_pools, generator=g))
+    rows.append(torch.randn(n_pools, generator=g))
+    scores = torch.stack(rows)
+    t = scores.shape[0]
+    # Whole table, chunk edges, short of K, a partial last chunk, padding.
+    pos = torch.tensor([255, 255, 255, 255, 63, 64, 30, 131, 200, 255, 255, 150])
+    slots = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8, -1, 10, 11])
+    plan = plan_dsa(t, 4, n_pools, k, kp, 8, on_gpu=False, select_chunk=chunk)
+    scratch = DsaScratch()
+    for _ in range(2):  # the scratch's candidates reused
+        got, got_n = select_pools(scores, pos, slots, kp, k, plan, scratch=scratch)
+        want, want_n = select_pools_reference(scores, pos, slots, kp, k)
+        assert torch.equal(got, want) and torch.equal(got_n, want_n)
+    assert got[0].tolist() == [3, 15, 16, 17, 20, 31, 40, 50]
+    assert got[1].tolist() == list(range(k))
+    assert got[2].tolist() == [0, 1, 2, 3, 4, 5, 45, 60]
+    assert got[3].tolist() == [0, 1, 2, 3, 4, 5, 18, 37]
+    assert got_n.tolist() == [8, 8, 8, 8, 8, 8, 7, 8, 8, 0, 8, 8]
+    assert got[6].tolist() == list(range(7)) + [-1] and got[9].tolist() == [-1] * k
+    visible = (torch.arange(n_pools)[None] * kp + kp - 1 <= pos[:, None]) & (slots >= 0)[:, None]
+    stock = top_pools(scores, visible, k)
+    for row in range(t):
+        assert set(stock[row].tolist()) - {-1} == set(got[row].tolist()) - {-1}, row
 
 
 # ---------------------------------------------------------------- attention

@@ -13,7 +13,7 @@ import torch
 from ..checkpoint.inventory import expected_tensors
 from ..config import DSA, KDA, Glm5NextConfig
 from ..kernels import boundary as boundary_kernels
-from ..kernels.dsa import plan_dsa
+from ..kernels.dsa import plan_dsa, select_levels
 from ..kernels.kda import plan_kda
 from ..kernels.linear import plan_launch
 from ..kernels.moe import plan_moe
@@ -106,7 +106,9 @@ def stage_launches(w: dict, config: Glm5NextConfig, stage: str, choice: str, T: 
         groups = -(-h // p.heads_per_program)
         r, v = config.kv_lora_rank, config.v_head_dim
         return [dict(launch="index_scores", grid=(T, p.score_splits), block_p=p.block_p, warps=p.num_warps),
-                dict(launch="select_pools", grid=(T,), block=p.select_block, radix="4 x 8 bits"),
+                *[dict(launch="select_pools", grid=(T, chunks), block=block, warps=p.select_warps,
+                       radix="4 x 8 bits", level="final" if chunks == 1 else "chunks")
+                  for _, chunks, block in select_levels(pools, config.index_topk_pools, p.select_chunk)],
                 dict(launch="absorb", grid=(h, -(-r // p.block_r)), block=(p.block_m, p.block_k, p.block_r)),
                 dict(launch="attend", grid=(T, groups, p.kv_splits), heads=p.heads_per_program, block_n=p.block_n,
                      warps=p.attend_warps)] + \

@@ -70,7 +70,7 @@ class DsaStage:
             scores = all_reduce(scores, self.attn.indexer.tp)
             sel, count = select_pools(scores, pos, slots, w.kpool, w.topk_pools, plan,
                                       self.scratch.get("sel", (t, w.topk_pools), torch.int64, dev),
-                                      self.scratch.get("count", (t,), torch.int32, dev))
+                                      self.scratch.get("count", (t,), torch.int32, dev), self.scratch)
         else:
             sel = selection
             count = self.scratch.get("count_given", (t,), torch.int32, dev).fill_(selection.shape[1])

@@ -1,9 +1,10 @@
 """DSA decode and verify: the indexer's pool scores and top-k selection, and the sparse latent attention
 with its value-up, between a DSA layer's projections (and cache writes) and its o_proj.
 
-Five launches with static grids and no host sync (see `indexer` and `attention`): scores, selection,
-absorbed queries, split attention, combine and value-up. Under tensor parallelism the caller sums the
-scores over the ranks between the first two. Each launcher has a plain fp32 twin in `reference`.
+Launches with static grids and no host sync (see `indexer` and `attention`): scores, selection (one
+launch per level, their count fixed by the block table's width), absorbed queries, split attention,
+combine and value-up. Under tensor parallelism the caller sums the scores over the ranks between the
+scores and the selection. Each launcher has a plain fp32 twin in `reference`.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from .reference import (dsa_decode_reference, index_scores_reference, select_poo
                         sparse_attention_reference)
 
 __all__ = ["DsaPlan", "DsaScratch", "DsaWeights", "dsa_decode", "dsa_decode_reference", "index_scores",
-           "index_scores_reference", "plan_dsa", "select_pools", "select_pools_reference", "sparse_attention",
-           "sparse_attention_reference", "write_cache"]
+           "index_scores_reference", "plan_dsa", "select_levels", "select_pools", "select_pools_reference",
+           "sparse_attention", "sparse_attention_reference", "write_cache"]
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,8 @@ class DsaPlan:
 
     score_splits: int
     block_p: int
-    select_block: int
+    select_chunk: int
+    """Pools (then candidates) a program of the selection takes at once, one register block (a power of two)."""
     heads_per_program: int
     kv_splits: int
     block_n: int
@@ -70,6 +72,8 @@ class DsaPlan:
     merge_block_r: int
     """Latent columns per step of the split merge (a [splits, merge_block_r] tile)."""
     num_warps: int = 4
+    select_warps: int = 4
+    """Warps of the selection's launches (a GPU block of 4096 keys wants 8)."""
     attend_warps: int = 8
     """Warps of the attention launch, whose [heads, R] context and [block_n, R] latent tile are its largest."""
 
@@ -85,10 +89,10 @@ def plan_dsa(tokens: int, heads: int, n_pools: int, topk_pools: int, kpool: int,
              **overrides) -> DsaPlan:
     """Tiles and splits for `tokens` tokens of `heads` heads over block tables of `n_pools` pools, on a
     GPU of `sms` SMs: the pool tiles of a token spread over enough programs to fill the GPU at one
-    token; each token's selected rows split so that tokens x head groups x splits gives every SM two
-    programs, each split at least 128 rows long. Head groups from the H100's attention plans
-    (bench/results/2026-12-06-h100-dsa-attention-plans.log): 16 heads a program up to 4 tokens, 32 up to
-    16, all 64 above (8 warps)."""
+    token; the selection in chunks of at most 4096 pools; each token's selected rows split so that tokens x
+    head groups x splits gives every SM two programs, each split at least 128 rows long. Head groups from the
+    H100's attention plans (bench/results/2026-12-06-h100-dsa-attention-plans.log): 16 heads a program up to
+    4 tokens, 32 up to 16, all 64 above (8 warps)."""
     block_p = 64
     score_splits = max(1, min(-(-2 * sms // tokens), -(-n_pools // block_p)))
     heads_per_program = _pow2(heads)
@@ -98,7 +102,12 @@ def plan_dsa(tokens: int, heads: int, n_pools: int, topk_pools: int, kpool: int,
     groups = -(-heads // heads_per_program)
     most = max(1, -(-(topk_pools * kpool + kpool - 1) // 128))
     kv_splits = max(1, min(most, -(-2 * sms // (tokens * groups))))
-    p = dict(score_splits=score_splits, block_p=block_p, select_block=1024 if on_gpu else 128,
+    # The selection's chunk: 4096 pools on a GPU (128K tokens of context: 8 chunks, then one program per
+    # token over their 8 x K candidates), no wider than the table; 16 in the interpreter, so the small test
+    # tables take several chunks and levels.
+    select_chunk = min(4096 if on_gpu else 16, _pow2(n_pools))
+    p = dict(score_splits=score_splits, block_p=block_p, select_chunk=select_chunk,
+             select_warps=8 if on_gpu and select_chunk >= 2048 else 4,
              heads_per_program=heads_per_program, kv_splits=kv_splits, block_n=32 if on_gpu else 64,
              attend_warps=8 if heads_per_program >= 64 else 4,
              block_m=min(64, _pow2(tokens)), block_k=64 if on_gpu else 32, block_r=128 if on_gpu else 64,
@@ -108,8 +117,8 @@ def plan_dsa(tokens: int, heads: int, n_pools: int, topk_pools: int, kpool: int,
 
 
 class DsaScratch:
-    """Per-shape scratch of the launches (scores, selection, its counts, absorbed queries, split
-    partials). A captured graph keeps using the tensors it was captured with."""
+    """Per-shape scratch of the launches (scores, the selection's candidates, selection, its counts,
+    absorbed queries, split partials). A captured graph keeps using the tensors it was captured with."""
 
     def __init__(self) -> None:
         self._by_key: dict[tuple, torch.Tensor] = {}
@@ -186,11 +195,28 @@ def index_scores(qi: torch.Tensor, wi: torch.Tensor, positions: torch.Tensor, sl
     return out
 
 
+def select_levels(n_pools: int, k: int, chunk: int) -> list[tuple[int, int, int]]:
+    """The selection's launches over block tables of `n_pools` pools: per level (entries a token has,
+    chunks, block). Levels cut their entries into chunks of `chunk` and keep min(chunk, k) candidates of
+    each, until the entries fit one program (the final level: one chunk, block the next power of two of
+    its entries). Where a level would not leave fewer entries (a chunk of at most k, or little above it),
+    the final level takes them all at once instead."""
+    if chunk < 1 or chunk & (chunk - 1):
+        raise ValueError(f"the selection's chunk must be a power of two, got {chunk}")
+    levels, n = [], n_pools
+    while n > chunk and -(-n // chunk) * min(chunk, k) < n:
+        chunks = -(-n // chunk)
+        levels.append((n, chunks, chunk))
+        n = chunks * min(chunk, k)
+    return levels + [(n, 1, _pow2(n))]
+
+
 def select_pools(scores: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kpool: int, k: int,
-                 plan: DsaPlan, out: torch.Tensor | None = None,
-                 count: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 plan: DsaPlan, out: torch.Tensor | None = None, count: torch.Tensor | None = None,
+                 scratch: DsaScratch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The top-min(k, visible) pools of each token's scores [T, n_pools] (ties: the lower pool first),
-    ascending, padded with -1: [T, k] int64; and how many each token kept [T] int32."""
+    ascending, padded with -1: [T, k] int64; and how many each token kept [T] int32. The candidates of
+    the levels before the final one (`select_levels`) go to `scratch` (new tensors without it)."""
     t, n_pools = scores.shape
     if scores.stride(1) != 1 or positions.shape != (t,) or slots.shape != (t,):
         raise ValueError("scores need unit column stride and one position and slot per row")
@@ -198,8 +224,23 @@ def select_pools(scores: torch.Tensor, positions: torch.Tensor, slots: torch.Ten
     count = torch.empty(t, dtype=torch.int32, device=scores.device) if count is None else count
     if out.shape != (t, k) or out.stride(1) != 1 or count.shape != (t,):
         raise ValueError(f"selection must be [{t}, {k}] with unit column stride and counts [{t}]")
-    select_pools_kernel[(t,)](scores, positions, slots, out, count, scores.stride(0), out.stride(0), n_pools,
-                              K=k, KP=kpool, BLOCK=plan.select_block, num_warps=plan.num_warps)
+    levels = select_levels(n_pools, k, plan.select_chunk)
+    src, src_key, s_src = scores, scores, scores.stride(0)
+    for level, (n, chunks, block) in enumerate(levels):
+        final = level == len(levels) - 1
+        w = min(block, k)
+        if final:
+            dst, dst_key, s_dst = out, out, out.stride(0)
+        else:
+            shape = (2, t, chunks * w)
+            cand = (scratch.get(f"select_{level}", shape, torch.int32, scores.device) if scratch is not None
+                    else torch.empty(shape, dtype=torch.int32, device=scores.device))
+            dst, dst_key, s_dst = cand[0], cand[1], chunks * w
+        select_pools_kernel[(t, chunks)](
+            src, src_key, positions, slots, dst, dst_key, count, s_src, s_dst, n, K=k, KP=kpool, BLOCK=block, W=w,
+            WB=triton.next_power_of_2(w), KB=triton.next_power_of_2(k), FROM_SCORES=level == 0, FINAL=final,
+            num_warps=plan.select_warps)
+        src, src_key, s_src = dst, dst_key, s_dst
     return out, count
 
 
@@ -272,7 +313,7 @@ def dsa_decode(q: torch.Tensor, qi: torch.Tensor, wi: torch.Tensor, positions: t
                      scores)
         selection, count = select_pools(scores, positions, slots, w.kpool, w.topk_pools, plan,
                                         scratch.get("sel", (t, w.topk_pools), torch.int64, q.device),
-                                        scratch.get("count", (t,), torch.int32, q.device))
+                                        scratch.get("count", (t,), torch.int32, q.device), scratch)
     else:
         count = scratch.get("count_given", (t,), torch.int32, q.device).fill_(selection.shape[1])
     return sparse_attention(q, selection, count, positions, slots, token_to_seq, block_tables, latent, w, plan,

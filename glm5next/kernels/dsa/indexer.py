@@ -1,4 +1,5 @@
-"""The indexer's two launches of a DSA decode step: pool scores, then the top-k pool selection.
+"""The indexer's launches of a DSA decode step: pool scores, then the top-k pool selection (a launch per
+level: one at 8K tokens of context, two at 128K, three at 1M).
 
 `index_scores_kernel` — grid (tokens, splits). A token sees the pools whose last position is at or before
 its own (`kpool * p + kpool - 1 <= position`); its visible pools are cut into tiles of BLOCK_P, and the
@@ -7,13 +8,24 @@ Per tile: the pooled keys are gathered through the token's block table, the per-
 product [heads, d] x [d, BLOCK_P], and the score of pool p is `sum_h w_h * relu(scale * q_h . K_p)`, the
 stock formula with the same rounding points. Scores of invisible pools are not written.
 
-`select_pools_kernel` — grid (tokens,). The top min(K, visible) pools of a token's scores, without a sort:
-each score becomes an order-preserving 32-bit key (as the stock `top_pools` makes it, -0.0 read as +0.0),
-four 8-bit radix passes narrow the K-th largest key down from its top byte (a histogram per pass of the
-keys that share the digits found so far), then one pass keeps every key above it and, of the keys equal
-to it, the lowest pool indices first: the stock tie rule. The pools are written in ascending order, then
--1 up to K; the count of kept pools goes beside them. Tokens that see at most K pools keep all of them.
-Padding tokens (slot -1) see no pools.
+`select_pools_kernel` — the top min(K, visible) pools of a token's scores, without a sort, in one to a
+few launches whose count the host fixes from the block table's width (`select_levels`), so a captured
+graph replays them all. Each program loads its entries once into registers, turns the scores into
+order-preserving 32-bit keys (as the stock `top_pools` makes them, -0.0 read as +0.0), finds the K-th
+largest key with four 8-bit radix passes over the register block (a histogram per pass of the keys that
+share the digits found so far), then keeps every key above it and, of the keys equal to it, the lowest
+positions first (`_top`, shared by every level).
+  - Chunk level, grid (tokens, chunks): chunk c takes the visible pools [c * C, (c + 1) * C) and writes
+    its local top min(K, its pools) — pool index and key, ascending, -1 after them up to W = min(C, K) —
+    into a candidates buffer [T, chunks * W]. Chunks are contiguous and each writes ascending, so the
+    candidates run in ascending pool order: "lower position first" is still the stock "lower pool first",
+    and the top K of a token (under that order) lies in the union of its chunks' top K.
+  - A candidates level takes the buffer as its entries, in chunks of C again while they exceed one
+    (a 1M-token table: 64 chunks, then 8, then the final one; 128K: 8, then the final one).
+  - Final level, grid (tokens,): the entries of one register block (the scores themselves when the
+    visible pools fit one chunk, e.g. 8K tokens of context: one launch in all), the kept pools written in
+    ascending order, then -1 up to K, and the count of kept pools beside them.
+Tokens that see at most K pools keep all of them. Padding tokens (slot -1) see no pools.
 """
 
 from __future__ import annotations
@@ -67,62 +79,77 @@ def index_scores_kernel(
 
 
 @triton.jit
-def _keys(score_ptr, i, ok):
-    """Order-preserving keys in [0, 2^32) (int64) of the scores at `i`: larger score, larger key."""
-    s = tl.load(score_ptr + i, mask=ok, other=0.0) + 0.0  # -0.0 reads as +0.0
-    bits = s.to(tl.int32, bitcast=True)
-    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    return ordered.to(tl.int64) + 2147483648
+def _top(key, ok, K: tl.constexpr):
+    """Of the keys under `ok` (int64 in [0, 2^32), a register block in ascending pool order), the top
+    min(K, count) with the lower position first among equal keys: the mask of the kept lanes, each kept
+    lane's rank among them (its slot in the ascending output) and how many are kept.
 
-
-@triton.jit
-def select_pools_kernel(
-    score_ptr, pos_ptr, slot_ptr, sel_ptr, count_ptr, s_score, s_sel, n_pools,
-    K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """Scores [T, n_pools] fp32 (row stride s_score); selection [T, K] int64 (row stride s_sel): the kept
-    pools ascending, then -1; count [T] int32: how many were kept."""
-    t = tl.program_id(0)
-    nvis = _visible_pools(pos_ptr, slot_ptr, t, n_pools, KP)
-    row = score_ptr + t * s_score
-    k = tl.minimum(nvis, K)
-    digits = tl.arange(0, 256)
-    # The K-th largest key `tau`, and how many keys equal to it are kept (`need`). With at most K
-    # visible pools every key is kept: tau below every key.
+    The K-th largest key `tau` is narrowed from its top byte by four 8-bit radix passes (a histogram per
+    pass of the keys sharing the digits found so far); `need` is how many keys equal to it are kept. With
+    at most K keys every key is kept: tau below every key."""
+    n = tl.sum(ok.to(tl.int32), 0)
+    k = tl.minimum(n, K)
     tau = tl.full([], -1, tl.int64)
     need = tl.full([], 0, tl.int32)
-    if nvis > K:
+    if n > K:
+        digits = tl.arange(0, 256)
         prefix = tl.full([], 0, tl.int64)
         need = k
         for rnd in tl.static_range(4):
             shift = 24 - 8 * rnd
-            hist = tl.zeros([256], dtype=tl.int32)
-            for c in range(0, nvis, BLOCK):
-                i = c + tl.arange(0, BLOCK)
-                ok = i < nvis
-                key = _keys(row, i, ok)
-                same = ok & ((key >> (shift + 8)) == prefix)
-                hist += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=same)
+            same = ok & ((key >> (shift + 8)) == prefix)
+            hist = tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=same)
             at_least = tl.sum(hist, 0) - (tl.cumsum(hist, 0) - hist)  # keys with digit >= d
             pick = tl.max(tl.where(at_least >= need, digits, -1), 0)
-            above = tl.sum(tl.where(digits > pick, hist, 0), 0)
-            need = need - above
+            need = need - tl.sum(tl.where(digits > pick, hist, 0), 0)
             prefix = prefix * 256 + pick
         tau = prefix
-    base = tl.full([], 0, tl.int32)
-    equal_seen = tl.full([], 0, tl.int32)
-    for c in range(0, nvis, BLOCK):
-        i = c + tl.arange(0, BLOCK)
-        ok = i < nvis
-        key = _keys(row, i, ok)
-        eq = (ok & (key == tau)).to(tl.int32)
-        rank = equal_seen + tl.cumsum(eq, 0) - eq  # lower pools first among equal keys
-        take = (ok & (key > tau)) | ((eq != 0) & (rank < need))
-        at = base + tl.cumsum(take.to(tl.int32), 0) - 1
-        tl.store(sel_ptr + t * s_sel + at, i.to(tl.int64), mask=take)
-        base += tl.sum(take.to(tl.int32), 0)
-        equal_seen += tl.sum(eq, 0)
-    for c in range(0, K, BLOCK):
-        j = c + tl.arange(0, BLOCK)
-        tl.store(sel_ptr + t * s_sel + j, tl.full([BLOCK], -1, tl.int64), mask=(j >= base) & (j < K))
-    tl.store(count_ptr + t, base)
+    eq = (ok & (key == tau)).to(tl.int32)
+    rank = tl.cumsum(eq, 0) - eq  # lower positions first among equal keys
+    take = (ok & (key > tau)) | ((eq != 0) & (rank < need))
+    at = tl.cumsum(take.to(tl.int32), 0) - 1
+    return take, at, k
+
+
+@triton.jit
+def select_pools_kernel(
+    src_ptr, src_key_ptr, pos_ptr, slot_ptr, dst_ptr, dst_key_ptr, count_ptr, s_src, s_dst, n_src,
+    K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr, W: tl.constexpr, WB: tl.constexpr, KB: tl.constexpr,
+    FROM_SCORES: tl.constexpr, FINAL: tl.constexpr,
+):
+    """One level of the selection; program (t, c) takes entries [c * BLOCK, (c + 1) * BLOCK) of token t.
+
+    FROM_SCORES: the entries are the scores [T, n_src] fp32 at `src_ptr` (row stride s_src, n_src the
+    block table's pools), those of the token's visible pools only; else the candidates of the level
+    before, pools int32 at `src_ptr` (-1: none) and their ordered 32-bit keys int32 at `src_key_ptr`,
+    [T, n_src] each (row stride s_src). FINAL (one program per token): the selection [T, K] int64 at
+    `dst_ptr` (row stride s_dst), the kept pools ascending then -1, and count [T] int32; else the chunk's
+    top min(K, its entries) into [T, chunks * W] int32 at `dst_ptr` (pools, -1 after them) and
+    `dst_key_ptr` (keys), W = min(BLOCK, K) slots a chunk (row stride s_dst)."""
+    t = tl.program_id(0)
+    c = tl.program_id(1)
+    i = c * BLOCK + tl.arange(0, BLOCK)
+    if FROM_SCORES:
+        ok = i < _visible_pools(pos_ptr, slot_ptr, t, n_src, KP)
+        s = tl.load(src_ptr + t * s_src + i, mask=ok, other=0.0) + 0.0  # -0.0 reads as +0.0
+        bits = s.to(tl.int32, bitcast=True)
+        ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # signed order of the scores
+        pool = i
+    else:
+        pool = tl.load(src_ptr + t * s_src + i, mask=i < n_src, other=-1)
+        ok = pool >= 0
+        ordered = tl.load(src_key_ptr + t * s_src + i, mask=ok, other=0)
+    key = ordered.to(tl.int64) + 2147483648  # larger score, larger key, in [0, 2^32)
+    take, at, kept = _top(key, ok, K)
+    if FINAL:
+        row = dst_ptr + t * s_dst
+        tl.store(row + at, pool.to(tl.int64), mask=take)
+        j = tl.arange(0, KB)
+        tl.store(row + j, tl.full([KB], -1, tl.int64), mask=(j >= kept) & (j < K))
+        tl.store(count_ptr + t, kept)
+    else:
+        at = at + (t * s_dst + c * W)
+        tl.store(dst_ptr + at, pool.to(tl.int32), mask=take)
+        tl.store(dst_key_ptr + at, ordered, mask=take)
+        j = tl.arange(0, WB)
+        tl.store(dst_ptr + t * s_dst + c * W + j, tl.full([WB], -1, tl.int32), mask=(j >= kept) & (j < W))
