@@ -95,7 +95,7 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64", help="decode steps: rows of one token")
     ap.add_argument("--verify", default="16x4", help="verify steps: ROWSxQ")
     ap.add_argument("--no-stock", action="store_true", help="skip the stock module")
-    ap.add_argument("--attend", default="", help="also time the attention alone at these plans: HEADS/BLOCK_N/WARPS,...")
+    ap.add_argument("--attend", default="", help="also time the attention alone at these plans: HEADS/BLOCK_N/WARPS[/SPLITS],...")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -166,11 +166,11 @@ def main() -> None:
             row["attention_us"] = median_us(attention_only, rotate)
             variants = {}
             for v in filter(None, args.attend.split(",")):
-                hp, bn, wp = (int(x) for x in v.split("/"))
+                hp, bn, wp, *sp = (int(x) for x in v.split("/"))
                 w0 = base.weights
                 vplan = plan_dsa(t, h, mds[0].block_tables.shape[1] * cache.pooled_key.shape[1], w0.topk_pools, w0.kpool,
                                  torch.cuda.get_device_properties(dev).multi_processor_count, heads_per_program=hp,
-                                 block_n=bn, attend_warps=wp)
+                                 block_n=bn, attend_warps=wp, **({"kv_splits": sp[0]} if sp else {}))
 
                 def attention_variant(vplan=vplan):
                     for k in range(rotate):

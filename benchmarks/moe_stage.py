@@ -44,6 +44,7 @@ VARIANTS = {
     "num_stages": [2, 3, 5],
     "num_warps": [2, 8],
     "half": [False],
+    "maxnreg": [128, 168],
 }
 """Single-field changes to the default plan that `--variants` times at every token count."""
 

@@ -117,6 +117,8 @@ class MoePlan:
     combine_block_n: int
     half: bool = False
     """FP8 experts only: products in fp16 (activations and the SwiGLU output rounded to fp16) instead of bf16."""
+    maxnreg: int | None = None
+    """Registers a thread of the expert launches may use (None: the compiler's choice)."""
 
     def describe(self) -> str:
         return (f"router split-K {self.router_split} x {self.router_block_e} experts; experts BLOCK_M {self.block_m}, "
@@ -229,13 +231,13 @@ def experts_forward(x: torch.Tensor, w: ExpertWeights, r: Routing, limit: float,
         x, w.gate, w.up, w.gate_scale, w.up_scale, h, r.slot_expert, r.slot_start, r.slot_count, r.rows,
         r.n_slots, offs[0], offs[1], offs[3], offs[4], t, n_inter, d, x.stride(0), float(limit),
         TOP_K=top_k, HAS_SCALE=w.scaled, F32=f32, HALF=half, BLOCK_M=plan.block_m, BLOCK_N=plan.gate_up_block_n,
-        BLOCK_K=plan.block_k, num_warps=plan.num_warps, num_stages=plan.num_stages)
+        BLOCK_K=plan.block_k, num_warps=plan.num_warps, num_stages=plan.num_stages, maxnreg=plan.maxnreg)
     y = torch.empty(pairs, d, dtype=torch.float32, device=dev)
     down_kernel[(r.max_slots, triton.cdiv(d, plan.down_block_n))](
         h, w.down, w.down_scale, r.weights, y, r.slot_expert, r.slot_start, r.slot_count, r.rows, r.n_slots,
         offs[2], offs[5], t, d, n_inter,
         TOP_K=top_k, HAS_SCALE=w.scaled, F32=f32, HALF=half, BLOCK_M=plan.block_m, BLOCK_N=plan.down_block_n,
-        BLOCK_K=plan.block_k, num_warps=plan.num_warps, num_stages=plan.num_stages)
+        BLOCK_K=plan.block_k, num_warps=plan.num_warps, num_stages=plan.num_stages, maxnreg=plan.maxnreg)
     if out is None:
         out = torch.empty(t, d, dtype=x.dtype, device=dev)
     combine_kernel[(t, triton.cdiv(d, plan.combine_block_n))](
