@@ -1,7 +1,7 @@
-"""The MoE routing's launches against candidate forms, same process, same inputs: the production router
-logits (split-K `tl.dot` in fp32) against a row form (each program holds its [experts, K] tile of the
-router in registers and reduces it against each token's row: no shared-memory round trip), and the
-top-k kernel at 4, 2 and 1 warps. Router copies are rotated past the L2 (4.7 MB each); every time is
+"""The MoE router's two forms, same process, same inputs: split-K products (`router_logits_kernel`, fp32
+`tl.dot`) and the row form (`router_rows_kernel`: each program holds its [experts, K] tile of the router
+in registers and reduces it against each token's row), at several tiles; and the top-k kernel at 4, 2
+and 1 warps. Router copies are rotated past the L2 (4.7 MB each); every time is
 the median of CUDA-graph replays. The logits of both forms are checked against an fp64 product, the
 selected experts against each other.
 
@@ -16,30 +16,13 @@ import time
 
 import torch
 import triton
-import triton.language as tl
 
 from glm5next.bench.floor import capture, measure_read_bandwidth, time_replays
 from glm5next.kernels.moe import plan_moe
-from glm5next.kernels.moe.routing import router_logits_kernel, topk_kernel
+from glm5next.kernels.moe.routing import router_logits_kernel, router_rows_kernel, topk_kernel
 
 E, D, TOP_K = 288, 4096, 8
 COPIES = 16
-
-
-@triton.jit
-def router_rows_kernel(x_ptr, w_ptr, part_ptr, T, E, K, stride_x, K_PER_SPLIT,
-                       BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    """part[s, t, e] as `router_logits_kernel` makes it, the split's whole [BLOCK_E, K_PER_SPLIT] tile
-    loaded once (K_PER_SPLIT <= BLOCK_K) and reduced against one token's row at a time."""
-    pid_e = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
-    k = pid_s * K_PER_SPLIT + tl.arange(0, BLOCK_K)
-    kmask = (k < K) & (tl.arange(0, BLOCK_K) < K_PER_SPLIT)
-    w = tl.load(w_ptr + e[:, None] * K + k[None, :], mask=(e[:, None] < E) & kmask[None, :], other=0.0)
-    for t in range(T):
-        x = tl.load(x_ptr + t * stride_x + k, mask=kmask, other=0.0).to(tl.float32)
-        tl.store(part_ptr + (pid_s * T + t) * E + e, tl.sum(w * x[None, :], 1), mask=e < E)
 
 
 def log(msg: str) -> None:
@@ -65,7 +48,7 @@ def main() -> None:
     floor_us = E * D * 4 / bw * 1e6
     for t in (int(x) for x in args.tokens.split(",")):
         x = torch.randn(t, D, generator=gen, device=dev).to(torch.bfloat16)
-        plan = plan_moe(t, D, dev)
+        plan = plan_moe(64, D, dev)  # the split-K products' tiles
         k_split = triton.cdiv(triton.cdiv(D, plan.router_split), plan.router_block_k) * plan.router_block_k
         split = triton.cdiv(D, k_split)
         parts = [torch.empty(split, t, E, device=dev) for _ in range(COPIES)]
@@ -74,9 +57,10 @@ def main() -> None:
             for w, part in zip(routers, parts):
                 router_logits_kernel[(triton.cdiv(E, plan.router_block_e), split)](
                     x, w, part, t, E, D, x.stride(0), k_split,
-                    BLOCK_T=plan.block_t, BLOCK_E=plan.router_block_e, BLOCK_K=plan.router_block_k)
+                    BLOCK_T=max(16, triton.next_power_of_2(t)), BLOCK_E=plan.router_block_e,
+                    BLOCK_K=plan.router_block_k)
 
-        forms = {"production": (production, parts)}
+        forms = {"products": (production, parts)}
         for block_e, rsplit in ((16, 16), (32, 16), (32, 32), (64, 32), (16, 32)):
             ks = D // rsplit
             rparts = [torch.empty(rsplit, t, E, device=dev) for _ in range(COPIES)]
@@ -104,7 +88,7 @@ def main() -> None:
         res = []
         for warps in (4, 2, 1):
             def topk(warps=warps):
-                topk_kernel[(t,)](parts[0], bias, ids, ids, wts, t, E, split, 2.5, 1e-20, TOP_K=TOP_K, TOP_K_PAD=8,
+                topk_kernel[(t,)](parts[0], bias, ids, ids, wts, t, E, 2.5, 1e-20, S=split, TOP_K=TOP_K, TOP_K_PAD=8,
                                   NORM=True, HAS_SLOTS=False, BLOCK_E=triton.next_power_of_2(E), num_warps=warps)
             topk()
             torch.cuda.synchronize()

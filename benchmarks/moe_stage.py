@@ -41,10 +41,9 @@ VARIANTS = {
     "block_m": [16, 32, 64],
     "gate_up_block_n": [32, 64, 128],
     "down_block_n": [32, 64, 128],
-    "num_stages": [2, 3, 5],
+    "num_stages": [2, 3, 4, 5],
     "num_warps": [2, 8],
     "half": [False],
-    "maxnreg": [128, 168],
 }
 """Single-field changes to the default plan that `--variants` times at every token count."""
 

@@ -121,8 +121,9 @@ def stage_launches(w: dict, config: Glm5NextConfig, stage: str, choice: str, T: 
         p = plan_moe(T, config.hidden_size, torch.device("cuda"))
         e, inter, k = config.n_routed_experts, config.moe_intermediate_size, config.num_experts_per_tok
         slots = -(-T // p.block_m) + min(T * k, e)
-        return [dict(launch="router_logits", grid=(-(-e // p.router_block_e), p.router_split),
-                     block=(p.block_t, p.router_block_e, p.router_block_k)),
+        return [dict(launch="router_rows" if p.router_rows else "router_logits",
+                     grid=(-(-e // p.router_block_e), p.router_split),
+                     block=(p.block_t, p.router_block_e, p.router_block_k), warps=p.router_warps),
                 dict(launch="topk", grid=(T,)),
                 dict(launch="group", grid=(1,), block_t=p.block_t, block_m=p.block_m),
                 dict(launch="gate|up+swiglu", grid=(slots, -(-inter // p.gate_up_block_n)),

@@ -89,19 +89,23 @@ def plan_dsa(tokens: int, heads: int, n_pools: int, topk_pools: int, kpool: int,
              **overrides) -> DsaPlan:
     """Tiles and splits for `tokens` tokens of `heads` heads over block tables of `n_pools` pools, on a
     GPU of `sms` SMs: the pool tiles of a token spread over enough programs to fill the GPU at one
-    token; the selection in chunks of at most 4096 pools; each token's selected rows split so that tokens x
-    head groups x splits gives every SM two programs, each split at least 128 rows long. Head groups from the
-    H100's attention plans (bench/results/2026-12-06-h100-dsa-attention-plans.log): 16 heads a program up to
-    4 tokens, 32 up to 16, all 64 above (8 warps)."""
+    token; the selection in chunks of at most 4096 pools. The attention from the H100's plans
+    (bench/results/2026-12-06-h100-dsa-attention-splits.log): up to 4 tokens, 16 heads a program (4 warps)
+    and two programs an SM; above, all 64 heads a program (8 warps, one program an SM: its registers and
+    shared memory hold one); splits of at least 64 selected rows. At 8K context: 42 / 56 / 92 / 207 us at
+    1 / 4 / 16 / 64 tokens against 47 / 56 / 96 / 289 for the plan before."""
     block_p = 64
     score_splits = max(1, min(-(-2 * sms // tokens), -(-n_pools // block_p)))
     heads_per_program = _pow2(heads)
-    if on_gpu:
-        heads_per_program = min(heads_per_program, 16 if tokens <= 4 else 32 if tokens <= 16 else 64)
+    per_sm = 2
+    if on_gpu and tokens > 4:
+        heads_per_program, per_sm = min(heads_per_program, 64), 1
+    elif on_gpu:
+        heads_per_program = min(heads_per_program, 16)
     heads_per_program = overrides.pop("heads_per_program", heads_per_program)
     groups = -(-heads // heads_per_program)
-    most = max(1, -(-(topk_pools * kpool + kpool - 1) // 128))
-    kv_splits = max(1, min(most, -(-2 * sms // (tokens * groups))))
+    most = max(1, -(-(topk_pools * kpool + kpool - 1) // 64))
+    kv_splits = max(1, min(most, round(per_sm * sms / (tokens * groups))))
     # The selection's chunk: 4096 pools on a GPU (128K tokens of context: 8 chunks, then one program per
     # token over their 8 x K candidates), no wider than the table; 16 in the interpreter, so the small test
     # tables take several chunks and levels.

@@ -17,7 +17,7 @@ import triton
 
 from .experts import combine_kernel, down_kernel, gate_up_kernel
 from .reference import moe_reference, route_reference
-from .routing import group_kernel, router_logits_kernel, topk_kernel
+from .routing import group_kernel, router_logits_kernel, router_rows_kernel, topk_kernel
 
 __all__ = ["ExpertWeights", "MoePlan", "Routing", "experts_forward", "group_rows", "moe_forward", "moe_prefill",
            "moe_reference", "plan_moe", "prefill_plan", "route", "route_reference"]
@@ -117,11 +117,14 @@ class MoePlan:
     combine_block_n: int
     half: bool = False
     """FP8 experts only: products in fp16 (activations and the SwiGLU output rounded to fp16) instead of bf16."""
-    maxnreg: int | None = None
-    """Registers a thread of the expert launches may use (None: the compiler's choice)."""
+    router_rows: bool = False
+    """The router logits in the row form (`router_rows_kernel`: a program's whole tile of the router at once,
+    one token at a time) instead of split-K products."""
+    router_warps: int = 4
 
     def describe(self) -> str:
-        return (f"router split-K {self.router_split} x {self.router_block_e} experts; experts BLOCK_M {self.block_m}, "
+        router = "row form" if self.router_rows else "split-K products"
+        return (f"router {router}, {self.router_split} splits x {self.router_block_e} experts; experts BLOCK_M {self.block_m}, "
                 f"gate|up BLOCK_N {self.gate_up_block_n}, down BLOCK_N {self.down_block_n}, BLOCK_K {self.block_k}, "
                 f"{self.num_warps} warps, {self.num_stages} stages" + (", fp16 products" if self.half else ""))
 
@@ -132,7 +135,14 @@ def plan_moe(tokens: int, hidden: int, device: torch.device, **overrides) -> Moe
         raise ValueError(f"the MoE kernels take 1-{MAX_TOKENS} tokens, got {tokens}")
     block_t = max(16, triton.next_power_of_2(tokens))
     if device.type == "cpu":  # the interpreter pays per program and per operation: few, large programs
-        plan = MoePlan(block_t, 64, 2, 64, 16, 64, 64, 128, 4, 1, 256)
+        plan = MoePlan(block_t, 64, 2, 64, 16, 64, 64, 128, 4, 1, 256, router_rows=tokens <= 8)
+    elif tokens <= 8:
+        # The row-form router (16 experts x 128 channels a program, 8 warps): 3.7 / 6.6 us at 1 / 8 tokens
+        # against 12.2 / 13.1 for the split-K products; at 64 tokens 31 against 28 (H100, 2026-12-06,
+        # bench/results/2026-12-06-h100-moe-routing-ab.log). Three pipeline stages at one token: 119 against
+        # 128 us a layer for four (-moe-variants-2.json); four from 8 tokens on.
+        plan = MoePlan(block_t, 16, -(-hidden // 128), 128, 16, 64, 64, 128, 4, 3 if tokens == 1 else 4, 1024,
+                       half=True, router_rows=True, router_warps=8)
     else:  # fp16 products: 5-10 % faster than bf16 at 1-64 tokens on the H100 (e4m3 widens to fp16 natively);
         # 64 experts a router program: 9 us a layer faster than 32 at 1 and 8 tokens (H100, 2026-12-06)
         k_split = max(64, hidden // 16)
@@ -173,17 +183,23 @@ def route(x: torch.Tensor, w: ExpertWeights, top_k: int, scale: float, norm: boo
     k_split = triton.cdiv(triton.cdiv(d, plan.router_split), plan.router_block_k) * plan.router_block_k
     split = triton.cdiv(d, k_split)
     part = torch.empty(split, t, e, dtype=torch.float32, device=dev)
-    router_logits_kernel[(triton.cdiv(e, plan.router_block_e), split)](
-        x, w.router, part, t, e, d, x.stride(0), k_split,
-        BLOCK_T=plan.block_t, BLOCK_E=plan.router_block_e, BLOCK_K=plan.router_block_k)
+    if plan.router_rows:
+        router_rows_kernel[(triton.cdiv(e, plan.router_block_e), split)](
+            x, w.router, part, t, e, d, x.stride(0), k_split, BLOCK_E=plan.router_block_e,
+            BLOCK_K=triton.next_power_of_2(k_split), num_warps=plan.router_warps)
+    else:
+        router_logits_kernel[(triton.cdiv(e, plan.router_block_e), split)](
+            x, w.router, part, t, e, d, x.stride(0), k_split,
+            BLOCK_T=plan.block_t, BLOCK_E=plan.router_block_e, BLOCK_K=plan.router_block_k,
+            num_warps=plan.router_warps)
     i32 = dict(dtype=torch.int32, device=dev)
     max_slots = triton.cdiv(t, plan.block_m) + min(t * top_k, e)
     r = Routing(torch.empty(t, top_k, **i32), torch.empty(t, top_k, dtype=torch.float32, device=dev),
                 torch.empty(max_slots, **i32), torch.empty(max_slots, **i32), torch.empty(max_slots, **i32),
                 torch.empty(t * top_k + t, **i32), torch.empty(1, **i32))
     topk_kernel[(t,)](
-        part, w.bias, slots if slots is not None else r.ids, r.ids, r.weights, t, e, split, float(scale), float(eps),
-        TOP_K=top_k, TOP_K_PAD=triton.next_power_of_2(top_k), NORM=norm, HAS_SLOTS=slots is not None,
+        part, w.bias, slots if slots is not None else r.ids, r.ids, r.weights, t, e, float(scale), float(eps),
+        S=split, TOP_K=top_k, TOP_K_PAD=triton.next_power_of_2(top_k), NORM=norm, HAS_SLOTS=slots is not None,
         BLOCK_E=triton.next_power_of_2(e))
     group_kernel[(1,)](
         r.ids, slots if slots is not None else r.ids, r.slot_expert, r.slot_start, r.slot_count, r.rows, r.n_slots,
@@ -231,13 +247,13 @@ def experts_forward(x: torch.Tensor, w: ExpertWeights, r: Routing, limit: float,
         x, w.gate, w.up, w.gate_scale, w.up_scale, h, r.slot_expert, r.slot_start, r.slot_count, r.rows,
         r.n_slots, offs[0], offs[1], offs[3], offs[4], t, n_inter, d, x.stride(0), float(limit),
         TOP_K=top_k, HAS_SCALE=w.scaled, F32=f32, HALF=half, BLOCK_M=plan.block_m, BLOCK_N=plan.gate_up_block_n,
-        BLOCK_K=plan.block_k, num_warps=plan.num_warps, num_stages=plan.num_stages, maxnreg=plan.maxnreg)
+        BLOCK_K=plan.block_k, num_warps=plan.num_warps, num_stages=plan.num_stages)
     y = torch.empty(pairs, d, dtype=torch.float32, device=dev)
     down_kernel[(r.max_slots, triton.cdiv(d, plan.down_block_n))](
         h, w.down, w.down_scale, r.weights, y, r.slot_expert, r.slot_start, r.slot_count, r.rows, r.n_slots,
         offs[2], offs[5], t, d, n_inter,
         TOP_K=top_k, HAS_SCALE=w.scaled, F32=f32, HALF=half, BLOCK_M=plan.block_m, BLOCK_N=plan.down_block_n,
-        BLOCK_K=plan.block_k, num_warps=plan.num_warps, num_stages=plan.num_stages, maxnreg=plan.maxnreg)
+        BLOCK_K=plan.block_k, num_warps=plan.num_warps, num_stages=plan.num_stages)
     if out is None:
         out = torch.empty(t, d, dtype=x.dtype, device=dev)
     combine_kernel[(t, triton.cdiv(d, plan.combine_block_n))](

@@ -44,29 +44,49 @@ def router_logits_kernel(x_ptr, w_ptr, part_ptr, T, E, K, stride_x, K_PER_SPLIT,
 
 
 @triton.jit
-def topk_kernel(part_ptr, bias_ptr, slots_ptr, ids_ptr, weights_ptr, T, E, S, scale, eps,
-                TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, NORM: tl.constexpr, HAS_SLOTS: tl.constexpr,
-                BLOCK_E: tl.constexpr):
-    """One token per program: its logits summed over the splits in order, sigmoid scores, top-k of
+def router_rows_kernel(x_ptr, w_ptr, part_ptr, T, E, K, stride_x, K_PER_SPLIT,
+                       BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """part[s, t, e] as `router_logits_kernel` makes it, for few tokens: the split's whole [BLOCK_E,
+    K_PER_SPLIT] tile of the router loaded at once (K_PER_SPLIT <= BLOCK_K), then reduced against one
+    token's row at a time in fp32 (no shared-memory round trip of a product)."""
+    pid_e = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    k = pid_s * K_PER_SPLIT + tl.arange(0, BLOCK_K)
+    kmask = (k < K) & (tl.arange(0, BLOCK_K) < K_PER_SPLIT)
+    w = tl.load(w_ptr + e[:, None] * K + k[None, :], mask=(e[:, None] < E) & kmask[None, :], other=0.0)
+    for t in range(T):
+        x = tl.load(x_ptr + t * stride_x + k, mask=kmask, other=0.0).to(tl.float32)
+        tl.store(part_ptr + (pid_s * T + t) * E + e, tl.sum(w * x[None, :], 1), mask=e < E)
+
+
+@triton.jit
+def topk_kernel(part_ptr, bias_ptr, slots_ptr, ids_ptr, weights_ptr, T, E, scale, eps,
+                S: tl.constexpr, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, NORM: tl.constexpr,
+                HAS_SLOTS: tl.constexpr, BLOCK_E: tl.constexpr):
+    """One token per program: its logits summed over the S splits in order, sigmoid scores, top-k of
     scores + bias with the lower expert index first among equal values, the chosen scores renormalised
-    and scaled. Writes ids / weights `[T, TOP_K]` (a padded token: -1 / 0)."""
+    and scaled. Writes ids / weights `[T, TOP_K]` (a padded token: -1 / 0). Each pick is one reduction of
+    an int64 key: the order-preserving bits of score + bias above the reversed expert index."""
     t = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
     emask = e < E
     logits = tl.zeros([BLOCK_E], dtype=tl.float32)
-    for s in range(S):
+    for s in tl.static_range(S):  # unrolled: every split's load in flight at once
         logits += tl.load(part_ptr + (s * T + t) * E + e, mask=emask, other=0.0)
     scores = tl.sigmoid(logits)
-    sel = tl.where(emask, scores + tl.load(bias_ptr + e, mask=emask, other=0.0).to(tl.float32), float("-inf"))
+    sel = scores + tl.load(bias_ptr + e, mask=emask, other=0.0).to(tl.float32) + 0.0  # -0.0 reads as +0.0
+    bits = sel.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
+    lowest = -9223372036854775807 - 1
+    key = tl.where(emask, ordered * 4294967296 + (BLOCK_E - 1 - e), lowest)
     kk = tl.arange(0, TOP_K_PAD)
     ids = tl.full([TOP_K_PAD], -1, dtype=tl.int32)
-    w = tl.zeros([TOP_K_PAD], dtype=tl.float32)
     for k in tl.static_range(TOP_K):
-        pick = tl.min(tl.where(sel == tl.max(sel, axis=0), e, BLOCK_E), axis=0)  # lowest index among ties
-        hit = e == pick
-        ids = tl.where(kk == k, pick, ids)
-        w = tl.where(kk == k, tl.sum(tl.where(hit, scores, 0.0), axis=0), w)
-        sel = tl.where(hit, float("-inf"), sel)
+        top = tl.max(key, axis=0)
+        ids = tl.where(kk == k, (BLOCK_E - 1 - (top & 4294967295)).to(tl.int32), ids)
+        key = tl.where(key == top, lowest, key)
+    w = tl.sum(tl.where(e[None, :] == ids[:, None], scores[None, :], 0.0), axis=1)
     if NORM:
         w = w / (tl.sum(w, axis=0) + eps)
     w = w * scale
