@@ -87,7 +87,7 @@ def cmd_describe_plan(args) -> int:
         config = Glm5NextConfig.from_file(args.model)
     else:
         config = Glm5NextConfig.from_dict(dict(GLM53_FLASH_TEXT))
-    policy = Policy.from_file(args.policy) if args.policy else Policy.for_gpu("NVIDIA H200")
+    policy = Policy.from_file(args.policy) if args.policy else Policy.for_gpu("NVIDIA H200", (9, 0))
     try:
         tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
     except ValueError:
@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_make_tiny)
     p = sub.add_parser("describe-plan", help="print each stage's chosen variant and launch parameters (no GPU)")
     p.add_argument("--tokens", default="1,8,64", help="token counts, e.g. 1,8,64")
-    p.add_argument("--policy", default=None, help="a policy JSON (default: the shipped H200 policy)")
+    p.add_argument("--policy", default=None, help="a policy JSON (default: the shipped H200 policy over the Hopper default, as the runtime reads it)")
     p.add_argument("--model", default=None, help="a checkpoint folder or config.json (default: GLM-5.3-Flash shapes)")
     p.add_argument("--sms", type=int, default=132, help="SMs of the GPU the plans fill (default: 132, H100/H200)")
     p.set_defaults(func=cmd_describe_plan)

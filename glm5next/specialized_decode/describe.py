@@ -105,7 +105,8 @@ def stage_launches(w: dict, config: Glm5NextConfig, stage: str, choice: str, T: 
         p = plan_dsa(T, h, pools, config.index_topk_pools, config.index_kpool, sms)
         groups = -(-h // p.heads_per_program)
         r, v = config.kv_lora_rank, config.v_head_dim
-        return [dict(launch="index_scores", grid=(T, p.score_splits), block_p=p.block_p, warps=p.num_warps),
+        return [dict(launch="write_cache", grid=(T,), pooled_keys="of the pools the step completes"),
+                dict(launch="index_scores", grid=(T, p.score_splits), block_p=p.block_p, warps=p.num_warps),
                 *[dict(launch="select_pools", grid=(T, chunks), block=block, warps=p.select_warps,
                        radix="4 x 8 bits", level="final" if chunks == 1 else "chunks")
                   for _, chunks, block in select_levels(pools, config.index_topk_pools, p.select_chunk)],
@@ -113,8 +114,7 @@ def stage_launches(w: dict, config: Glm5NextConfig, stage: str, choice: str, T: 
                 dict(launch="attend", grid=(T, groups, p.kv_splits), heads=p.heads_per_program, block_n=p.block_n,
                      warps=p.attend_warps)] + \
             ([dict(launch="merge_splits", grid=(T, h), block_r=p.merge_block_r)] if p.kv_splits > 1 else []) + \
-            [dict(launch="value_up", grid=(h, -(-v // p.block_v)), block_v=p.block_v, block_k=p.up_block_k,
-                  cache_writes="stock write_cache before the launches")]
+            [dict(launch="value_up", grid=(h, -(-v // p.block_v)), block_v=p.block_v, block_k=p.up_block_k)]
     if stage == "moe":
         if not any(config.moe_layers):
             return []
