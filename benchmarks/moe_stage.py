@@ -42,6 +42,7 @@ VARIANTS = {
     "gate_up_block_n": [32, 64, 128],
     "down_block_n": [32, 64, 128],
     "num_stages": [2, 3, 4, 5],
+    "down_stages": [3, 4],
     "num_warps": [2, 8],
     "half": [False],
 }

@@ -130,7 +130,8 @@ def stage_launches(w: dict, config: Glm5NextConfig, stage: str, choice: str, T: 
                      block=(p.block_m, p.gate_up_block_n, p.block_k), stages=p.num_stages, warps=p.num_warps,
                      products="fp16" if p.half else "bf16"),
                 dict(launch="down", grid=(slots, -(-config.hidden_size // p.down_block_n)),
-                     block=(p.block_m, p.down_block_n, p.block_k), stages=p.num_stages, warps=p.num_warps),
+                     block=(p.block_m, p.down_block_n, p.block_k), stages=p.down_stages or p.num_stages,
+                     warps=p.num_warps),
                 dict(launch="combine", grid=(T, -(-config.hidden_size // p.combine_block_n)))]
     if stage == "logits_head":
         shape, b = w["lm_head.weight"]

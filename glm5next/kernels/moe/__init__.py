@@ -121,12 +121,15 @@ class MoePlan:
     """The router logits in the row form (`router_rows_kernel`: a program's whole tile of the router at once,
     one token at a time) instead of split-K products."""
     router_warps: int = 4
+    down_stages: int | None = None
+    """Pipeline stages of the down launch (None: `num_stages`, as gate|up)."""
 
     def describe(self) -> str:
         router = "row form" if self.router_rows else "split-K products"
         return (f"router {router}, {self.router_split} splits x {self.router_block_e} experts; experts BLOCK_M {self.block_m}, "
                 f"gate|up BLOCK_N {self.gate_up_block_n}, down BLOCK_N {self.down_block_n}, BLOCK_K {self.block_k}, "
-                f"{self.num_warps} warps, {self.num_stages} stages" + (", fp16 products" if self.half else ""))
+                f"{self.num_warps} warps, {self.num_stages} stages (down {self.down_stages or self.num_stages})"
+                + (", fp16 products" if self.half else ""))
 
 
 def plan_moe(tokens: int, hidden: int, device: torch.device, **overrides) -> MoePlan:
@@ -139,10 +142,11 @@ def plan_moe(tokens: int, hidden: int, device: torch.device, **overrides) -> Moe
     elif tokens <= 8:
         # The row-form router (16 experts x 128 channels a program, 8 warps): 3.7 / 6.6 us at 1 / 8 tokens
         # against 12.2 / 13.1 for the split-K products; at 64 tokens 31 against 28 (H100, 2026-12-06,
-        # bench/results/2026-12-06-h100-moe-routing-ab.log). Three pipeline stages at one token: 119 against
-        # 128 us a layer for four (-moe-variants-2.json); four from 8 tokens on.
+        # bench/results/2026-12-06-h100-moe-routing-ab.log). Three pipeline stages for gate|up at one token
+        # (the stage: 119 against 128 us a layer for four, -moe-variants-2.json), four for down (its launch
+        # took 31.5 us at four, 36.7 at three in the step profiles) and for both from 8 tokens on.
         plan = MoePlan(block_t, 16, -(-hidden // 128), 128, 16, 64, 64, 128, 4, 3 if tokens == 1 else 4, 1024,
-                       half=True, router_rows=True, router_warps=8)
+                       half=True, router_rows=True, router_warps=8, down_stages=4)
     else:  # fp16 products: 5-10 % faster than bf16 at 1-64 tokens on the H100 (e4m3 widens to fp16 natively);
         # 64 experts a router program: 9 us a layer faster than 32 at 1 and 8 tokens (H100, 2026-12-06)
         k_split = max(64, hidden // 16)
@@ -253,7 +257,7 @@ def experts_forward(x: torch.Tensor, w: ExpertWeights, r: Routing, limit: float,
         h, w.down, w.down_scale, r.weights, y, r.slot_expert, r.slot_start, r.slot_count, r.rows, r.n_slots,
         offs[2], offs[5], t, d, n_inter,
         TOP_K=top_k, HAS_SCALE=w.scaled, F32=f32, HALF=half, BLOCK_M=plan.block_m, BLOCK_N=plan.down_block_n,
-        BLOCK_K=plan.block_k, num_warps=plan.num_warps, num_stages=plan.num_stages)
+        BLOCK_K=plan.block_k, num_warps=plan.num_warps, num_stages=plan.down_stages or plan.num_stages)
     if out is None:
         out = torch.empty(t, d, dtype=x.dtype, device=dev)
     combine_kernel[(t, triton.cdiv(d, plan.combine_block_n))](
