@@ -9,7 +9,7 @@ import time
 
 from .bench.cli import add_bench_parser, add_tune_parser
 from .bench.slice import GLM53_FLASH_TEXT
-from .checkpoint.writer import make_tiny_checkpoint
+from .checkpoint.writer import TP_READY_OVERRIDES, make_tiny_checkpoint
 from .config import Glm5NextConfig
 from .parallel.group import check_divisible
 from .parallel.launch import relaunch
@@ -33,7 +33,8 @@ def _ensure_tiny(path: str) -> str:
 
 
 def cmd_make_tiny(args) -> int:
-    make_tiny_checkpoint(args.dir, seed=args.seed, with_mtp=not args.no_mtp)
+    make_tiny_checkpoint(args.dir, seed=args.seed, with_mtp=not args.no_mtp,
+                         text_overrides=TP_READY_OVERRIDES if args.tp_ready else None)
     print(args.dir)
     return 0
 
@@ -115,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-mtp", action="store_true")
+    p.add_argument("--tp-ready", action="store_true",
+                   help="widths that 2, 4 and 8 tensor-parallel ranks split (4 layers, 8 heads of each kind)")
     p.set_defaults(func=cmd_make_tiny)
     p = sub.add_parser("describe-plan", help="print each stage's chosen variant and launch parameters (no GPU)")
     p.add_argument("--tokens", default="1,8,64", help="token counts, e.g. 1,8,64")

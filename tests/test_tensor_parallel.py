@@ -18,6 +18,7 @@ import torch
 
 from glm5next.checkpoint.loader import CheckpointError
 from glm5next.checkpoint.writer import make_tiny_checkpoint
+from glm5next.cli import main
 from glm5next.model.backbone import Glm5NextModel
 from glm5next.parallel import TensorParallel, all_gather_object, init_tensor_parallel
 from glm5next.runtime.cache import allocate_cache
@@ -61,7 +62,6 @@ def test_a_size_that_does_not_divide_is_refused_naming_the_dimensions(tp_single)
 
 def test_the_command_refuses_a_size_before_starting_ranks(tiny_dir, capsys, monkeypatch):
     import glm5next.parallel.launch as launch
-    from glm5next.cli import main
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.setattr(launch, "relaunch", lambda *a: pytest.fail("ranks were started"))
@@ -245,7 +245,6 @@ def test_tensor_parallel_engine_needs_its_processes(tp_dir, monkeypatch):
 
 
 def test_cli_generate_under_torchrun_prints_once_and_matches(tp_dir, capsys):
-    from glm5next.cli import main
 
     args = ["generate", "--model", tp_dir, "--prompt", "Hello, GLM!", "--device", "cpu", "--dtype", "float32",
             "--max-tokens", "8", "--ignore-eos", "--max-model-len", "64", "--num-blocks", "8", "--max-num-seqs", "2"]
@@ -258,6 +257,45 @@ def test_cli_generate_under_torchrun_prints_once_and_matches(tp_dir, capsys):
     assert run.returncode == 0, run.stderr[-3000:]
     got = re.findall(r"token ids: (\[.*\])", run.stdout)
     assert len(want) == 1 and got == want, (run.stdout, want)
+
+
+PLAIN_PROCESS_SCRIPT = """
+import json, sys
+from glm5next import LLM, SamplingParams
+llm = LLM(sys.argv[1], tensor_parallel_size=int(sys.argv[2]), **json.loads(sys.argv[3]))
+params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+runs = [[o.outputs[0].token_ids for o in llm.generate(p, params, use_tqdm=False)] for p in json.loads(sys.argv[4])]
+llm.shutdown()
+print("TOKENS", json.dumps(runs))
+"""
+
+
+def test_llm_refuses_a_size_before_starting_ranks(tiny_dir, monkeypatch):
+    from glm5next import LLM
+    from glm5next.runtime import tp_workers
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(tp_workers.subprocess, "Popen", lambda *a, **k: pytest.fail("a worker was started"))
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 does not divide num_attention_heads=4"):
+        LLM(tiny_dir, tensor_parallel_size=3, **ENGINE_ARGS)
+
+
+def test_llm_starts_its_own_ranks_in_a_plain_process(tmp_path):
+    """`LLM(dir, tensor_parallel_size=2)` in an ordinary Python process (no torchrun) starts its other rank,
+    answers two `generate` calls token for token like one process, and `shutdown()` ends the worker so
+    the script exits. The model is `make-tiny --tp-ready`'s."""
+    model_dir = str(tmp_path / "tp-ready")
+    assert main(["make-tiny", model_dir, "--tp-ready", "--no-mtp"]) == 0
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    calls = json.dumps([PROMPTS, PROMPTS[1:2]])
+    out = {}
+    for size in (1, 2):
+        run = subprocess.run([sys.executable, "-c", PLAIN_PROCESS_SCRIPT, model_dir, str(size), json.dumps(ENGINE_ARGS),
+                              calls], env=env, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        out[size] = re.findall(r"^TOKENS (.*)$", run.stdout, re.M)
+    assert len(out[1]) == 1 and out[2] == out[1], out
 
 
 def test_serve_relaunches_itself_answers_like_one_process_and_stops(tp_dir):

@@ -55,6 +55,24 @@ TINY_TEXT_CONFIG = {
 """Text sizes of the tiny model (checkpoint spelling). Layer kinds follow the
 official rule (DSA where i % 4 == 3), MLPs are dense for layers 0-2, then MoE."""
 
+TP_READY_OVERRIDES = {
+    "num_hidden_layers": 4,
+    "first_k_dense_replace": 1,
+    "intermediate_size": 1024,
+    "moe_intermediate_size": 1024,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "num_attention_heads": 8,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+    "index_n_heads": 8,
+    "index_head_dim": 128,
+    "linear_attn_config": {"num_heads": 8, "head_dim": 32, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0},
+}
+"""The tiny model resized so 2, 4 and 8 ranks split it, every FP8 weight on 128-wide scale-block boundaries
+(8 heads of each kind, head widths and MLP shards of 128): KDA layers 0-2, a DSA layer 3, a dense layer
+0, MoE layers 1-3 (`glm5next make-tiny --tp-ready`)."""
+
 TINY_VISION_CONFIG = {
     "model_type": "glm5_next_vision",
     "depth": 1,

@@ -29,7 +29,7 @@ def rank_env(rank: int, size: int, port: int) -> dict[str, str]:
             "LOCAL_WORLD_SIZE": str(size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -38,7 +38,7 @@ def _free_port() -> int:
 def relaunch(nproc: int, argv: list[str]) -> int:
     """Run `glm5next <argv>` as `nproc` processes, one per device; the exit status (rank 0's, or
     the first failure's)."""
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "glm5next.cli", *argv]
     procs = [subprocess.Popen(cmd, env=rank_env(r, nproc, port)) for r in range(nproc)]
 

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import itertools
+import os
+import weakref
 
+import torch.distributed as dist
 from tqdm import tqdm
 
+from ..config import Glm5NextConfig
+from ..parallel.group import check_divisible
 from .engine_args import EngineArgs
 from .engine_core import CompletionOutput, LLMEngine, RequestOutput
 from .sampler import SamplingParams
+from .tp_workers import Workers
 
 __all__ = ["LLM", "EngineArgs", "SamplingParams", "CompletionOutput", "RequestOutput"]
 
@@ -17,18 +23,39 @@ class LLM:
     """GLM-5.3-Flash for offline generation: every prompt of a call is batched continuously by
     the engine, and the results come back in prompt order.
 
-    With `tensor_parallel_size=N`, run the same script on N processes under `torchrun`: every rank
-    calls `generate` with the same prompts; rank 0 schedules and drives the others' forwards, and
-    every rank returns rank 0's outputs.
+    With `tensor_parallel_size=N` in an ordinary process, the `LLM` starts the N - 1 other ranks as worker
+    processes on this host (one device each) and ends them with `shutdown()`, at exit, or when it is
+    collected. Under `torchrun` (N processes already), every rank runs the same script and calls
+    `generate` with the same prompts; rank 0 schedules and drives the others' forwards, and every rank
+    returns rank 0's outputs.
     """
 
     def __init__(self, model: str | EngineArgs, **kwargs) -> None:
         """The engine for checkpoint folder `model` (or `EngineArgs`), with `kwargs` the `EngineArgs` fields:
         `dtype`, `device`, `max_model_len`, `max_num_seqs`, `speculative_config`, `tensor_parallel_size`, ..."""
-        self.engine = LLMEngine(EngineArgs.of(model, **kwargs))
+        args = EngineArgs.of(model, **kwargs)
+        self._shutdown = None
+        if args.tensor_parallel_size > 1 and "WORLD_SIZE" not in os.environ and not dist.is_initialized():
+            if isinstance(args.model, str):  # refuse a size the model cannot split before starting anything
+                check_divisible(Glm5NextConfig.from_file(args.model), args.tensor_parallel_size)
+            workers = Workers(args)
+            try:
+                self.engine = LLMEngine(args)
+            except BaseException:
+                workers.shutdown()
+                raise
+            workers.joined()
+            self._shutdown = weakref.finalize(self, workers.shutdown, self.engine)
+        else:
+            self.engine = LLMEngine(args)
         self.model, self.config, self.tokenizer = self.engine.model, self.engine.config, self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """End the worker processes this `LLM` started (nothing under torchrun or on one process)."""
+        if self._shutdown is not None:
+            self._shutdown()
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """One finished `RequestOutput` per prompt, in order. A prompt is a string, a list of
