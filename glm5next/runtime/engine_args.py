@@ -54,7 +54,7 @@ class EngineArgs:
     speculative_config: str | dict | None = field(default=None, metadata=_option(
         'MTP speculative decoding, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\''))
     tensor_parallel_size: int = field(default=1, metadata=_option(
-        "processes (one per GPU) the model is split over; outside torchrun the engine starts the others itself",
+        "processes (one per GPU) the model is split over; outside torchrun, LLM and the command start the others",
         type=int, aliases=["-tp"]))
     seed: int = 0
     """Seeds the engine's per-request random streams when a request gives no seed."""
