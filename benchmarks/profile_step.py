@@ -28,7 +28,7 @@ from glm5next.specialized_decode import Policy, SpecializedDecode
 
 FAMILIES = [
     ("moe (ours)", r"gate_up_kernel|down_kernel|combine_kernel|topk_kernel|group_kernel|router_logits_kernel"),
-    ("dsa (ours)", r"index_scores_kernel|select_pools_kernel|absorb_kernel|attend_kernel|merge_splits_kernel|value_up_kernel|write_cache_kernel"),
+    ("dsa (ours)", r"index_scores_kernel|select_pools_kernel|head_product_kernel|attend_kernel|merge_splits_kernel|write_cache_kernel"),
     ("boundary (ours)", r"boundary|sinkhorn|mhc_kernel"),
     ("projections (ours)", r"skinny|linear_kernel|gate_up_swiglu|_linear|rms_norm_pair|producer|norm_cast"),
     ("gemm (cuBLAS)", r"gemm|gemv|cutlass|sm90_xmma|nvjet|splitKreduce"),

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .attention import absorb_kernel, attend_kernel, merge_splits_kernel, value_up_kernel
+from .attention import attend_kernel, head_product_kernel, merge_splits_kernel
 from .cache import write_cache_kernel
 from .indexer import index_scores_kernel, select_pools_kernel
 from .reference import (dsa_decode_reference, index_scores_reference, select_pools_reference,
@@ -274,9 +274,9 @@ def sparse_attention(q: torch.Tensor, selection: torch.Tensor, count: torch.Tens
     splits = plan.kv_splits
     ieee = latent.dtype == torch.float32
     qlat = scratch.get("qlat", (t, h, r), latent.dtype, dev)
-    absorb_kernel[(h, triton.cdiv(r, plan.block_r))](
-        q, w.w_uk, qlat, t, h, n, r, q.stride(0), q.stride(1),
-        BLOCK_M=plan.block_m, BLOCK_K=plan.block_k, BLOCK_R=plan.block_r, IEEE=ieee, num_warps=plan.num_warps)
+    head_product_kernel[(h, triton.cdiv(r, plan.block_r))](  # absorb: q @ W_UK
+        q, q.stride(0), q.stride(1), slots, w.w_uk, qlat, t, h, n, r,
+        BLOCK_M=plan.block_m, BLOCK_K=plan.block_k, BLOCK_N=plan.block_r, IEEE=ieee, num_warps=plan.num_warps)
     ctx = scratch.get("ctx", (t, h, r), latent.dtype, dev)
     if splits > 1:
         acc = scratch.get("acc", (t, h, splits, r), torch.float32, dev)
@@ -295,9 +295,9 @@ def sparse_attention(q: torch.Tensor, selection: torch.Tensor, count: torch.Tens
     out = torch.empty(t, h, v, dtype=torch.float32, device=dev) if out is None else out
     if out.shape != (t, h, v) or not out.is_contiguous():
         raise ValueError(f"values must be [{t}, {h}, {v}] contiguous")
-    value_up_kernel[(h, triton.cdiv(v, plan.block_v))](
-        ctx, slots, w.w_uv_t, out, t, h, r, v, BLOCK_M=min(64, plan.block_m), BLOCK_K=plan.up_block_k,
-        BLOCK_V=plan.block_v, IEEE=ieee, num_warps=plan.num_warps)
+    head_product_kernel[(h, triton.cdiv(v, plan.block_v))](  # value-up: context @ W_UV^T
+        ctx, h * r, r, slots, w.w_uv_t, out, t, h, r, v, BLOCK_M=min(64, plan.block_m), BLOCK_K=plan.up_block_k,
+        BLOCK_N=plan.block_v, IEEE=ieee, num_warps=plan.num_warps)
     return out
 
 

@@ -1,8 +1,9 @@
 """The sparse latent attention of a DSA decode step: absorb, attend, (merge the splits,) value-up.
 
-`absorb_kernel` — grid (heads, latent blocks): the absorbed queries `q_lat[t, h] = q[t, h] @ W_UK[h]`
-[T, H, R] in the latent cache's dtype (fp32 accumulation), every token of the step at once, so each
-head's W_UK block is read once per BLOCK_M tokens.
+`head_product_kernel` — grid (heads, output blocks): `out[t, h] = x[t, h] @ W[h]` for every token of the
+step at once (each head's W block read once per BLOCK_M tokens; fp32 accumulation, padding tokens zeros).
+It makes the absorbed queries `q_lat[t, h] = q[t, h] @ W_UK[h]` [T, H, R] in the latent cache's dtype, and
+the value-up `context @ W_UV[h]^T` [T, H, V] fp32 (from `W_UV^T` [H, R, V]).
 
 `attend_kernel` — grid (tokens, head groups, splits). A token's selected rows form one list: four rows per
 selected pool (in the selection's order), then its incomplete-pool tail `[kpool * floor((pos+1)/kpool),
@@ -16,10 +17,6 @@ tensor-core products of the cache's dtype with fp32 accumulation) and keeps an o
 split it writes the normalised context [T, H, R] (cache dtype) itself; with several, its unnormalised
 context with its running max and sum, and `merge_splits_kernel` — grid (tokens, heads) — merges them in
 split order (weights `exp(m_s - max) / sum`: deterministic).
-
-`value_up_kernel` — grid (heads, value blocks): `context @ W_UV[h]^T` (the kernel reads `W_UV^T`
-[H, R, V]) for every token, one [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_V] product per step of the latent;
-padding tokens (slot -1) get zeros.
 """
 
 from __future__ import annotations
@@ -38,27 +35,30 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def absorb_kernel(
-    q_ptr, w_ptr, out_ptr, T, H, N, R, s_qt, s_qh,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
+def head_product_kernel(
+    x_ptr, s_xt, s_xh, slot_ptr, w_ptr, out_ptr, T, H, K, N,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """q [T, H, N] (row stride s_qt, head stride s_qh, unit channel stride); W_UK [H, N, R] contiguous;
-    out [T, H, R] contiguous (its dtype: the products' rounding)."""
+    """x [T, H, K] (row stride s_xt, head stride s_xh, unit channel stride); slots [T] (negative: padding);
+    W [H, K, N] contiguous; out [T, H, N] contiguous (its dtype: the products' rounding)."""
     h = tl.program_id(0)
-    r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rok = r < R
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nok = n < N
     for m0 in range(0, T, BLOCK_M):
         t = m0 + tl.arange(0, BLOCK_M)
         tok = t < T
-        acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-        for k0 in range(0, N, BLOCK_K):
+        live = tok & (tl.load(slot_ptr + t, mask=tok, other=-1) >= 0)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
-            kok = k < N
-            x = tl.load(q_ptr + t[:, None] * s_qt + h * s_qh + k[None, :], mask=tok[:, None] & kok[None, :], other=0.0)
-            w = tl.load(w_ptr + (h * N + k[:, None]) * R + r[None, :], mask=kok[:, None] & rok[None, :], other=0.0)
+            kok = k < K
+            x = tl.load(x_ptr + t[:, None] * s_xt + h * s_xh + k[None, :], mask=live[:, None] & kok[None, :],
+                        other=0.0)
+            w = tl.load(w_ptr + (h * K + k[:, None]) * N + n[None, :], mask=kok[:, None] & nok[None, :], other=0.0)
             acc += _dot(x.to(w.dtype), w, IEEE)
-        tl.store(out_ptr + (t[:, None] * H + h) * R + r[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=tok[:, None] & rok[None, :])
+        acc = tl.where(live[:, None], acc, 0.0)
+        tl.store(out_ptr + (t[:, None] * H + h) * N + n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=tok[:, None] & nok[None, :])
 
 
 @triton.jit
@@ -152,27 +152,3 @@ def merge_splits_kernel(
             parts = tl.load(acc_ptr + base[:, None] * R + r[None, :], mask=spok[:, None] & rok[None, :], other=0.0)
             x = tl.sum(wgt[:, None] * parts, 0)  # splits summed in order
             tl.store(ctx_ptr + (t * H + h) * R + r, x.to(ctx_ptr.dtype.element_ty), mask=rok)
-
-
-@triton.jit
-def value_up_kernel(
-    ctx_ptr, slot_ptr, w_ptr, out_ptr, T, H, R, V,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, IEEE: tl.constexpr,
-):
-    """context [T, H, R]; W_UV^T [H, R, V] contiguous; out [T, H, V] fp32 contiguous."""
-    h = tl.program_id(0)
-    v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    vok = v < V
-    for m0 in range(0, T, BLOCK_M):
-        t = m0 + tl.arange(0, BLOCK_M)
-        tok = t < T
-        live = tok & (tl.load(slot_ptr + t, mask=tok, other=-1) >= 0)
-        out = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)
-        for k0 in range(0, R, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            kok = k < R
-            x = tl.load(ctx_ptr + (t[:, None] * H + h) * R + k[None, :], mask=live[:, None] & kok[None, :], other=0.0)
-            w = tl.load(w_ptr + (h * R + k[:, None]) * V + v[None, :], mask=kok[:, None] & vok[None, :], other=0.0)
-            out += _dot(x.to(w.dtype), w, IEEE)
-        out = tl.where(live[:, None], out, 0.0)
-        tl.store(out_ptr + (t[:, None] * H + h) * V + v[None, :], out, mask=tok[:, None] & vok[None, :])
