@@ -40,6 +40,13 @@ def metadata(rows: int, q: int, index: torch.Tensor) -> AttnMetadata:
                         num_spec_decodes=rows if q > 1 else 0, num_spec_decode_tokens=rows * q if q > 1 else 0)
 
 
+def one_kda_layer(dev: torch.device):
+    """The slice's first KDA layer at real shapes (random weights) on `dev`, and its kernel weights."""
+    model = build_slice_model(slice_config(num_layers=1), dev)
+    attn = model.layers[0].self_attn
+    return attn, KdaWeights.of(attn, KDA_L2_EPS)
+
+
 def fla_chain_parts():
     """fla's conv update and gated RMSNorm: with its recurrence, the whole decode chain a vLLM-style KDA
     layer runs on fla's kernels (None where fla lacks them)."""
@@ -68,12 +75,9 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
-    config = slice_config(num_layers=1)
-    model = build_slice_model(config, dev)
-    attn = model.layers[0].self_attn
+    attn, w = one_kda_layer(dev)
     h, d, keep = attn.num_heads, attn.head_dim, attn.conv_kernel - 1
     hk = h * d
-    w = KdaWeights.of(attn, KDA_L2_EPS)
     bw = measure_read_bandwidth(dev)["bytes_per_s"]
     fla, fla_why = fla_peer()
     log(f"read bandwidth {bw / 1e12:.2f} TB/s; {h} heads of {d}; fla: {fla_why or 'yes'}")

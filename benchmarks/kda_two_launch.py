@@ -41,7 +41,7 @@ import time  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from glm5next.kernels.kda import KdaWeights, kda_decode, kda_decode_reference, plan_kda  # noqa: E402
+from glm5next.kernels.kda import KdaWeights, check_inputs, kda_decode, kda_decode_reference, plan_kda  # noqa: E402
 from glm5next.kernels.kda.kernel import _advance_window, _conv_silu, _decay_write  # noqa: E402
 
 
@@ -163,19 +163,8 @@ def two_launch_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: torc
     of the two launches (timing the parts)."""
     rows = q.shape[0]
     h, d = w.num_heads, w.head_dim
-    if index.shape[0] != rows:
-        raise ValueError(f"{index.shape[0]} state indices for {rows} rows (one token a row)")
-    for name, t, width in (("q", q, h * d), ("k", k, h * d), ("v", v, h * d), ("b", b, h), ("f", f, h * d),
-                           ("g", g, h * d)):
-        if t.shape != (rows, width) or t.stride(1) != 1:
-            raise ValueError(f"KDA {name} must be [{rows}, {width}] with unit column stride, got "
-                             f"{tuple(t.shape)} strides {t.stride()}")
+    check_inputs(q, k, v, b, f, g, conv, state, index, w, rows)  # one token a row
     keep = conv.shape[-1]
-    if conv.shape[1:] != (3 * h * d, keep) or state.shape[1:] != (h, d, d) or state.dtype != torch.float32:
-        raise ValueError(f"KDA caches: conv {tuple(conv.shape)}, state {tuple(state.shape)} {state.dtype} do not "
-                         f"match {h} heads of {d}")
-    if not (conv.is_contiguous() and state.is_contiguous()):
-        raise ValueError("KDA caches must be contiguous")
     if d % block_v or block_v & (block_v - 1):
         raise ValueError(f"block_v={block_v} must be a power of two dividing head_dim={d}")
     nv = d // block_v
@@ -269,19 +258,14 @@ def bench(args) -> None:
     fla's recurrence on one KDA layer at real shapes; CUDA-graph replays over rotated state slots (past
     the L2), medians, as benchmarks/kda_stage.py."""
     from glm5next.bench.floor import measure_read_bandwidth
-    from glm5next.bench.slice import build_slice_model, slice_config
-    from glm5next.config import KDA_L2_EPS
     from glm5next.model.kda import KdaProjections
-    from kda_stage import ROTATE_BYTES, fla_peer
+    from kda_stage import ROTATE_BYTES, fla_peer, one_kda_layer
     from moe_stage import log, median_us
 
     dev = torch.device("cuda")
-    config = slice_config(num_layers=1)
-    model = build_slice_model(config, dev)
-    attn = model.layers[0].self_attn
+    attn, w = one_kda_layer(dev)
     h, d, keep = attn.num_heads, attn.head_dim, attn.conv_kernel - 1
     hk = h * d
-    w = KdaWeights.of(attn, KDA_L2_EPS)
     bw = measure_read_bandwidth(dev)["bytes_per_s"]
     fla, fla_why = fla_peer()
     variants = [tuple(int(x) for x in v.split("/")) for v in args.variants.split(",")]

@@ -15,7 +15,7 @@ import triton
 from .kernel import kda_commit_kernel, kda_decode_kernel
 from .reference import kda_decode_reference
 
-__all__ = ["KdaPlan", "KdaScratch", "KdaWeights", "kda_commit", "kda_decode", "kda_decode_reference", "plan_kda"]
+__all__ = ["KdaPlan", "KdaScratch", "KdaWeights", "check_inputs", "kda_commit", "kda_decode", "kda_decode_reference", "plan_kda"]
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,28 @@ class KdaScratch:
         return self._by_shape[key]
 
 
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: torch.Tensor, f: torch.Tensor,
+                 g: torch.Tensor, conv: torch.Tensor, state: torch.Tensor, index: torch.Tensor, w: KdaWeights,
+                 rows: int) -> None:
+    """A ValueError naming the first of a KDA step's inputs (see `kda_decode`) that does not fit `w` and
+    `rows` rows of q.shape[0] // rows tokens."""
+    n_tok = q.shape[0]
+    h, d = w.num_heads, w.head_dim
+    if index.shape[0] != rows:
+        raise ValueError(f"{index.shape[0]} state indices for {rows} rows")
+    for name, t, width in (("q", q, h * d), ("k", k, h * d), ("v", v, h * d), ("b", b, h), ("f", f, h * d),
+                           ("g", g, h * d)):
+        if t.shape != (n_tok, width) or t.stride(1) != 1:
+            raise ValueError(f"KDA {name} must be [{n_tok}, {width}] with unit column stride, got "
+                             f"{tuple(t.shape)} strides {t.stride()}")
+    keep = conv.shape[-1]
+    if conv.shape[1:] != (3 * h * d, keep) or state.shape[1:] != (h, d, d) or state.dtype != torch.float32:
+        raise ValueError(f"KDA caches: conv {tuple(conv.shape)}, state {tuple(state.shape)} {state.dtype} do not "
+                         f"match {h} heads of {d}")
+    if not (conv.is_contiguous() and state.is_contiguous()):
+        raise ValueError("KDA caches must be contiguous")
+
+
 def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: torch.Tensor, f: torch.Tensor, g: torch.Tensor,
                conv: torch.Tensor, state: torch.Tensor, index: torch.Tensor, w: KdaWeights, tokens_per_row: int,
                plan: KdaPlan, verify: dict[str, torch.Tensor] | None = None, out: torch.Tensor | None = None,
@@ -100,19 +122,8 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: torch.Tenso
         raise ValueError(f"{n_tok} tokens are not whole rows of {tokens_per_row}")
     rows = n_tok // tokens_per_row
     h, d = w.num_heads, w.head_dim
-    if index.shape[0] != rows:
-        raise ValueError(f"{index.shape[0]} state indices for {rows} rows")
-    for name, t, width in (("q", q, h * d), ("k", k, h * d), ("v", v, h * d), ("b", b, h), ("f", f, h * d),
-                           ("g", g, h * d)):
-        if t.shape != (n_tok, width) or t.stride(1) != 1:
-            raise ValueError(f"KDA {name} must be [{n_tok}, {width}] with unit column stride, got "
-                             f"{tuple(t.shape)} strides {t.stride()}")
+    check_inputs(q, k, v, b, f, g, conv, state, index, w, rows)
     keep = conv.shape[-1]
-    if conv.shape[1:] != (3 * h * d, keep) or state.shape[1:] != (h, d, d) or state.dtype != torch.float32:
-        raise ValueError(f"KDA caches: conv {tuple(conv.shape)}, state {tuple(state.shape)} {state.dtype} do not "
-                         f"match {h} heads of {d}")
-    if not (conv.is_contiguous() and state.is_contiguous()):
-        raise ValueError("KDA caches must be contiguous")
     out = torch.empty(n_tok, h * d, dtype=q.dtype, device=q.device) if out is None else out
     nv = d // plan.block_v
     part, count = (scratch or KdaScratch()).get(rows, n_tok, h, nv, q.device)
