@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The stages on a GPU in two device calls of under 10 minutes each. PART=1: the stages' GPU tests, the planned
-# step profiles at 8K and 128K (the shipped policy), the KDA stage against fla. PART=2: the KDA two-launch
-# experiment, the MoE and DSA stages against their floors and the stock modules, the executor's GPU tests with
+# step profiles at 8K and 128K (the shipped policy), the KDA stage against fla. PART=2: the MoE and DSA
+# stages against their floors and the stock modules, the executor's GPU tests with
 # every stage on. Logs gather in $OUT/run.log (few files come back per call). fla travels as a wheel in .whl/
 # (see the device tool's notes).
 #     OUT=DIR PART=1 bash benchmarks/gpu_stages.sh; OUT=DIR PART=2 bash benchmarks/gpu_stages.sh
@@ -18,7 +18,6 @@ run profile 150 python benchmarks/profile_step.py --tokens 1,8,64 --out "$OUT/pr
 run profile-128k 60 python benchmarks/profile_step.py --tokens 1,64 --context 131072 --out "$OUT/profile-128k.json"
 run kda-stage 45 python benchmarks/kda_stage.py --tokens 1,8,64 --verify 2x4 --out "$OUT/kda-stage.json"
 else
-run kda-two-launch 60 python benchmarks/kda_two_launch.py --tokens 1,8,64
 run moe-stage 60 python benchmarks/moe_stage.py --no-peer --tokens 1,2,4,8,64 --out "$OUT/moe-stage.json"
 run dsa-stage 60 python benchmarks/dsa_stage.py --contexts 8192,131072 --tokens 1,8,64 --verify 2x4 --out "$OUT/dsa-stage.json"
 run executor 150 python -m pytest -q -x -m gpu tests/gpu/test_specialized.py

@@ -18,6 +18,7 @@ from glm5next.checkpoint.inventory import BF16, FP8, FP32, expected_tensors
 from glm5next.config import DSA, KDA
 from glm5next.model.backbone import Glm5NextModel
 from glm5next.checkpoint.fp8 import FP8_DTYPE, scale_shape
+from glm5next.runtime.host_times import PARTS
 from glm5next.runtime.runner import Runner
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -185,7 +186,8 @@ def test_cli_small_end_to_end(tmp_path):
     args = parser.parse_args([
         "bench", "--mode", "stock", "--small", "--device", "cpu", "--tokens", "1,2", "--context", "40",
         "--eager-iters", "2", "--eager-warmup", "1", "--replays", "2", "--concurrency", "1,2",
-        "--prompt-len", "8", "--gen-len", "3", "--bw-gib", "0.01", "--out", str(out),
+        "--prompt-len", "8", "--gen-len", "3", "--prefill-lens", "16,24", "--prefill-requests", "1,2",
+        "--bw-gib", "0.01", "--out", str(out),
     ])
     assert args.func(args) == 0
     result = json.loads(out.read_text())
@@ -201,12 +203,21 @@ def test_cli_small_end_to_end(tmp_path):
         assert "graph_ms" not in r  # no CUDA here
         assert r["bytes"]["total"] > r["bytes"]["lm_head"] > 0
     assert any("CUDA graphs skipped" in n for n in result["notes"])
-    if result["e2e"]:
-        assert [r["concurrency"] for r in result["e2e"]] == [1, 2]
-        for r in result["e2e"]:
-            assert r["output_tokens"] == 3 * r["concurrency"] and r["output_tokens_per_s"] > 0
-    else:
-        assert any("end-to-end skipped" in n for n in result["notes"])
+    decode = [r for r in result["e2e"] if not r.get("prefill")]
+    assert [r["concurrency"] for r in decode] == [1, 2]
+    for r in decode:
+        assert r["output_tokens"] == 3 * r["concurrency"] and r["output_tokens_per_s"] > 0
+        # Steady decode: the two steps after every request's first token, the host time split by part.
+        assert r["decode_steps"] == 2 and r["decode_tokens_per_s"] > 0
+        host = r["host_ms_per_step"]
+        assert list(host) == list(PARTS) and all(v > 0 for v in host.values())
+        assert r["host_work_ms_per_step"] == pytest.approx(sum(v for k, v in host.items() if k != "sample"))
+        assert "engine_over_step" not in r  # no captured step on the CPU
+    prefill = [r for r in result["e2e"] if r.get("prefill")]
+    assert [(r["prompt_len"], r["concurrency"]) for r in prefill] == [(16, 1), (16, 2), (24, 1), (24, 2)]
+    for r in prefill:
+        assert r["output_tokens"] == r["concurrency"] and r["ttft_ms"] > 0
+        assert r["prefill_tokens_per_s"] == pytest.approx(r["concurrency"] * r["prompt_len"] / r["seconds"])
 
     assert_plots(out, tmp_path / "result.png")
 

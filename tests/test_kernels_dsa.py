@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from glm5next.forward import DsaCache
-from glm5next.kernels.dsa import (DsaScratch, DsaWeights, index_scores, index_scores_reference, plan_dsa, select_levels,
-                                  select_pools, select_pools_reference, sparse_attention,
-                                  sparse_attention_reference)
+from glm5next.kernels.dsa import (DsaScratch, DsaWeights, IndexerInputWeights, index_scores, index_scores_reference,
+                                  indexer_inputs, indexer_inputs_reference, plan_dsa, select_levels, select_pools,
+                                  select_pools_reference, sparse_attention, sparse_attention_reference)
 from glm5next.model import indexer as indexer_module
 from glm5next.model.indexer import top_pools
 from glm5next.runtime.metadata import build_metadata
@@ -52,6 +52,44 @@ def step(positions, seqs, slots, width, blocks, device="cpu", seed=2):
 
 
 # ---------------------------------------------------------------- indexer
+def nan_outputs(t, w, d, dtype, device="cpu"):
+    return (torch.full((t, w.heads), float("nan"), device=device),
+            torch.full((t, w.gate_width), float("nan"), dtype=dtype, device=device),
+            torch.full((t, d), float("nan"), dtype=dtype, device=device))
+
+
+@pytest.mark.parametrize("t", [1, 5, 67])
+def test_indexer_inputs_match_reference_at_odd_sizes(t):
+    """Head weights, gate logits and normalised keys at odd widths (a channel block across the head/gate
+    border, a hidden size off the tiles, more rows than one tile), twice (the tickets reset)."""
+    heads, gate, hidden, d = 3, 24, 72, 24
+    g = torch.Generator().manual_seed(t)
+    w = IndexerInputWeights(torch.randn(heads + gate, hidden, generator=g), heads, 0.3,
+                            torch.randn(d, generator=g), torch.randn(d, generator=g), 1e-6)
+    scratch = DsaScratch()
+    for _ in range(2):
+        x = torch.randn(t, hidden, generator=g)
+        ki = torch.randn(t, d, generator=g) * 3 + 1
+        got = indexer_inputs(x, ki, w, scratch, out=nan_outputs(t, w, d, torch.float32))
+        for a, b in zip(got, indexer_inputs_reference(x, ki, w)):
+            assert not a.isnan().any() and rel(a, b) < 1e-5
+
+
+def test_indexer_inputs_equal_the_stock_indexer(tiny_fp32):
+    """The kernel's outputs against the stock indexer's (`Indexer.outputs`) on the small model's weights."""
+    layer = next(layer for layer in tiny_fp32.layers if layer.layer_kind == "dsa")
+    ix = layer.self_attn.indexer
+    w = IndexerInputWeights.of(ix, torch.float32)
+    g = torch.Generator().manual_seed(3)
+    t = 6
+    x = torch.randn(t, ix.hidden_size, generator=g)
+    ki = torch.randn(t, ix.head_dim, generator=g)
+    qi = torch.randn(t, ix.n_heads * ix.head_dim, generator=g)
+    _, want_w, want_k, want_g = ix.outputs(x, qi, ki)
+    wi, gi, ko = indexer_inputs(x, ki, w, DsaScratch(), out=nan_outputs(t, w, ix.head_dim, torch.float32))
+    assert rel(wi, want_w) < 1e-5 and rel(gi, want_g) < 1e-5 and rel(ko, want_k) < 1e-5
+
+
 @pytest.mark.parametrize("hi,d,splits,block_p", [(3, 24, 2, 16), (4, 32, 3, 16), (5, 16, 1, 64)],
                          ids=["odd_heads_and_width", "three_splits", "one_split"])
 def test_scores_and_selection_match_reference(hi, d, splits, block_p):
@@ -316,6 +354,26 @@ def test_real_shapes_bf16_against_fp32(rows, q, context):
         got = sparse_attention(qq, sel, count, pos, slot, seq, tables, latent, w, p, out=out)
         torch.cuda.synchronize()
         assert not got.isnan().any() and rel(got, ref) < 2e-2, p
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+@pytest.mark.parametrize("t", [1, 7, 64])
+def test_real_shapes_indexer_inputs_bf16(t):
+    """Real widths in bf16 (the weight kept in bf16: every row exact), against the fp32 reference: the
+    head weights within fp32 rounding, the gate logits and keys within a bf16 ulp."""
+    dev, heads, hidden, d = "cuda", 32, 4096, 128
+    g = torch.Generator(device=dev).manual_seed(t)
+    w = IndexerInputWeights(torch.randn(heads + d, hidden, generator=g, device=dev).to(torch.bfloat16) * 0.02,
+                            heads, heads**-0.5, torch.randn(d, generator=g, device=dev),
+                            torch.randn(d, generator=g, device=dev), 1e-6)
+    x = torch.randn(t, hidden, generator=g, device=dev).to(torch.bfloat16)
+    ki = torch.randn(t, d, generator=g, device=dev).to(torch.bfloat16)
+    got = indexer_inputs(x, ki, w, DsaScratch(), out=nan_outputs(t, w, d, torch.bfloat16, dev))
+    want = indexer_inputs_reference(x, ki, w)
+    torch.cuda.synchronize()
+    assert not any(a.isnan().any() for a in got)
+    assert rel(got[0], want[0]) < 1e-5 and rel(got[1], want[1]) < 2**-7 and rel(got[2], want[2]) < 2**-7
 
 
 @pytest.mark.gpu

@@ -93,6 +93,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--skip-e2e", action="store_true", help="no end-to-end engine throughput")
     p.add_argument("--prompt-len", type=int, default=64, help="end-to-end prompt tokens per request")
     p.add_argument("--gen-len", type=int, default=64, help="end-to-end output tokens per request")
+    p.add_argument("--prefill-lens", type=_int_list, default=_int_list("1024,8192,32768"),
+                   help="prompt lengths of the end-to-end prefill rows (default 1024,8192,32768; empty: none)")
+    p.add_argument("--prefill-requests", type=_int_list, default=_int_list("1,8"),
+                   help="prompts of each length sent together (default 1,8)")
     p.add_argument("--bw-gib", type=float, default=1.0, help="GiB of the bandwidth probe buffer (>= 1 on a GPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="result JSON (default bench/results/<date>-<gpu>-<mode>.json)")
@@ -152,11 +156,25 @@ def format_table(result: dict) -> str:
                          + f"stock {st['stock_us']:9.1f} us {100 * st['stock_bw_fraction']:5.1f} %")
     if result.get("targets"):
         lines += format_targets(result["targets"])
-    if result.get("e2e"):
-        lines.append(f"{'conc':>4} {'out tok':>8} {'seconds':>8} {'tok/s':>9} {'TPOT ms':>8} {'TTFT ms':>8}")
-        for r in result["e2e"]:
+    decode = [r for r in result.get("e2e", []) if not r.get("prefill")]
+    prefill = [r for r in result.get("e2e", []) if r.get("prefill")]
+    if decode:
+        parts = list(next((r["host_ms_per_step"] for r in decode if "host_ms_per_step" in r), {}))
+        lines.append(f"{'conc':>4} {'out tok':>8} {'seconds':>8} {'tok/s':>9} {'TPOT ms':>8} {'TTFT ms':>8} "
+                     f"{'dec tok/s':>9} {'step tok/s':>10} {'x step':>6} {'step ms':>8} "
+                     + " ".join(f"{p[:8]:>8}" for p in parts) + "  (steady decode: host ms a step by part)")
+        for r in decode:
+            host = r.get("host_ms_per_step", {})
             lines.append(f"{r['concurrency']:>4} {r['output_tokens']:>8} {r['seconds']:>8.2f} "
-                         f"{r['output_tokens_per_s']:>9.1f} {cell(r, 'tpot_ms', 8, 2)} {r['ttft_ms']:>8.1f}")
+                         f"{r['output_tokens_per_s']:>9.1f} {cell(r, 'tpot_ms', 8, 2)} {r['ttft_ms']:>8.1f} "
+                         f"{cell(r, 'decode_tokens_per_s', 9, 1)} {cell(r, 'step_tokens_per_s', 10, 1)} "
+                         f"{cell(r, 'engine_over_step', 6, 2)} {cell(r, 'decode_step_ms', 8, 2)} "
+                         + " ".join(cell(host, p, 8, 3) for p in parts))
+    if prefill:
+        lines.append(f"{'prompts':>7} {'tokens':>7} {'TTFT ms':>9} {'prefill tok/s':>13} {'steps':>6}")
+        for r in prefill:
+            lines.append(f"{r['concurrency']:>7} {r['prompt_len']:>7} {r['ttft_ms']:>9.1f} "
+                         f"{r['prefill_tokens_per_s']:>13.0f} {r['steps']:>6}")
     lines += [f"note: {n}" for n in result.get("notes", [])]
     return "\n".join(lines)
 
@@ -186,7 +204,8 @@ def cmd_bench(args) -> int:
         concurrency=args.concurrency, context=args.context, block_size=args.block_size,
         eager_iters=eager_iters, eager_warmup=args.eager_warmup, replays=replays,
         graph_warmup=args.graph_warmup, skip_eager=args.skip_eager, skip_graph=args.skip_graph,
-        skip_e2e=args.skip_e2e, prompt_len=args.prompt_len, gen_len=args.gen_len, bw_gib=args.bw_gib, seed=args.seed,
+        skip_e2e=args.skip_e2e, prompt_len=args.prompt_len, gen_len=args.gen_len,
+        prefill_lens=args.prefill_lens, prefill_requests=args.prefill_requests, bw_gib=args.bw_gib, seed=args.seed,
         speculative_config=args.speculative_config, tensor_parallel_size=args.tensor_parallel_size,
     )
     if args.mode == "specialized":

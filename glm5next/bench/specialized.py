@@ -8,6 +8,7 @@ number of such layers the full model has beyond the slice.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
@@ -19,7 +20,7 @@ from ..runtime.runner import Runner
 from ..specialized_decode import Policy, SpecializedDecode
 from ..specialized_decode.describe import merge_equal_choices
 from .stages import stage_cases, time_choice
-from .stock import StockOptions, _items, _release, _step_benchmarks, _versions, log
+from .stock import StockOptions, _items, _release, _step_benchmarks, _versions, attach_step_rates, log, run_e2e
 from .floor import capture, measure_read_bandwidth, time_replays
 from .slice import build_slice_model, fill_context, make_cache, slice_config
 
@@ -125,6 +126,13 @@ def run_specialized(opts: StockOptions, policy_path: str | None) -> dict:
                 row[f"full_model_{path}_ms"] = full_model_ms(model, row[key], row["layers"], path)
     result["steps"] = [rows[m] for m in tokens]
     result["targets"] = stage_targets(result["steps"])
+    del runner, executor, cache, graph, logits
+    _release(device)
+    if not opts.skip_e2e:
+        e2e = dataclasses.replace(opts, decode_backend="specialized", policy=policy_path)
+        result["e2e"] = run_e2e(model, device, e2e, result["notes"])
+        attach_step_rates(result["e2e"], result["steps"], "specialized_ms")
+        _release(device)
     result["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
     return result
 

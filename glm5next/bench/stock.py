@@ -51,6 +51,11 @@ class StockOptions:
     skip_e2e: bool = False
     prompt_len: int = 64
     gen_len: int = 64
+    prefill_lens: tuple[int, ...] = (1024, 8192, 32768)
+    prefill_requests: tuple[int, ...] = (1, 8)
+    decode_backend: str = "stock"
+    """The engine's captured decode steps in the end-to-end part: "stock" or "specialized"."""
+    policy: str | None = None
     bw_gib: float = 1.0
     seed: int = 0
     speculative_config: str | None = None
@@ -173,6 +178,7 @@ def run_stock(opts: StockOptions) -> dict:
         result["e2e"] = []
     else:
         result["e2e"] = run_e2e(model, device, opts, result["notes"])
+        attach_step_rates(result["e2e"], steps, "graph_ms")
         _release(device)
     if cuda:
         result["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
@@ -234,61 +240,109 @@ def _step_benchmarks(model, config, device, tokens, opts: StockOptions, bandwidt
 
 
 def run_e2e(model, device: torch.device, opts: StockOptions, notes: list) -> list:
-    """Output tokens/s and time per output token through `LLMEngine` at each concurrency: that many
-    requests of `prompt_len` random tokens, `gen_len` greedy tokens each (EOS ignored), CUDA graphs on."""
+    """Through `LLMEngine` at each concurrency: that many requests of `prompt_len` random tokens, `gen_len`
+    greedy tokens each (EOS ignored), CUDA graphs on. Per level: output tokens/s over the whole run, time per
+    output token, time to first token, and the steady decode (the steps after every request has its first
+    token): its tokens/s, its wall time per step and the engine's host time per step by part
+    (`glm5next.runtime.host_times`). Then prefill: `prefill_requests` prompts of each of `prefill_lens`
+    tokens at once, one output token each: time to first token and prompt tokens/s."""
     levels = sorted(set(opts.concurrency))
-    if not levels:
+    if not levels and not opts.prefill_lens:
         return []
     if opts.speculative_config and model.mtp is None:
         notes.append("end-to-end speculative decoding skipped: the slice has no MTP layer")
         return []
     cuda = device.type == "cuda"
-    max_len = opts.prompt_len + opts.gen_len + opts.block_size
-    per_seq = -(-max_len // opts.block_size)
-    log(f"end to end: building the engine (concurrency {levels}, graphs {'on' if cuda else 'off: no CUDA'})")
+    bs = opts.block_size
+    decode_len = opts.prompt_len + opts.gen_len
+    prefill_len = max(opts.prefill_lens, default=0) + 1
+    max_len = max(decode_len, prefill_len) + bs
+    blocks = max(max(levels, default=0) * -(-(decode_len + bs) // bs),
+                 max(opts.prefill_requests, default=0) * -(-(prefill_len + bs) // bs))
+    max_seqs = max(levels + list(opts.prefill_requests), default=1)
+    log(f"end to end: building the engine (concurrency {levels}, graphs {'on' if cuda else 'off: no CUDA'}, "
+        f"{opts.decode_backend} decode steps)")
     t = time.perf_counter()
     engine = LLMEngine.from_model(
-        model, max_model_len=max_len, max_num_seqs=levels[-1], num_blocks=levels[-1] * per_seq + 4,
-        block_size=opts.block_size, enforce_eager=not cuda, capture_sizes=levels,
-        speculative_config=opts.speculative_config,
+        model, max_model_len=max_len, max_num_seqs=max_seqs, num_blocks=blocks + 4,
+        block_size=bs, enforce_eager=not cuda, capture_sizes=levels or (1,),
+        speculative_config=opts.speculative_config, decode_backend=opts.decode_backend, policy=opts.policy,
     )
     log(f"engine ready in {time.perf_counter() - t:.1f} s")
     if not cuda:
         notes.append("end-to-end ran eagerly: no CUDA device")
     rng = random.Random(opts.seed)
     vocab = model.config.vocab_size
-    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=opts.gen_len)
 
-    def run(tag: str, n: int, p: SamplingParams) -> dict:
+    def run(tag: str, n: int, prompt_len: int, p: SamplingParams) -> dict:
         for i in range(n):
-            engine.add_request(f"{tag}-{i}", [rng.randrange(vocab) for _ in range(opts.prompt_len)], p)
+            engine.add_request(f"{tag}-{i}", [rng.randrange(vocab) for _ in range(prompt_len)], p)
         steps0, graph0 = engine.stats["steps"], engine.stats["graph_steps"]
-        first, done = {}, {}
+        first, done, steps = {}, {}, []
+        host = engine.host_times
         t0 = now = time.perf_counter()
         while engine.has_unfinished_requests():
+            before = dict(host.seconds)
             outs = engine.step()
-            now = time.perf_counter()  # step() ends in a host sync on the sampled tokens
+            start, now = now, time.perf_counter()  # step() ends in a host sync on the sampled tokens
             for o in outs:
                 if o.outputs[0].token_ids and o.request_id not in first:
                     first[o.request_id] = now
                 if o.finished:
                     done[o.request_id] = (now, len(o.outputs[0].token_ids))
+            steps.append((start, now, len(outs), {k: host.seconds[k] - before[k] for k in before}))
         total = sum(k for _, k in done.values())
         tpot = [(end - first[r]) / (k - 1) for r, (end, k) in done.items() if k > 1]
-        return {"concurrency": n, "prompt_tokens": n * opts.prompt_len, "output_tokens": total,
-                "seconds": now - t0, "output_tokens_per_s": total / max(now - t0, 1e-9),
-                "tpot_ms": 1e3 * statistics.mean(tpot) if tpot else float("nan"),
-                "ttft_ms": 1e3 * statistics.mean(f - t0 for f in first.values()),
-                "steps": engine.stats["steps"] - steps0, "graph_steps": engine.stats["graph_steps"] - graph0}
+        row = {"concurrency": n, "prompt_len": prompt_len, "prompt_tokens": n * prompt_len, "output_tokens": total,
+               "seconds": now - t0, "output_tokens_per_s": total / max(now - t0, 1e-9),
+               "tpot_ms": 1e3 * statistics.mean(tpot) if tpot else float("nan"),
+               "ttft_ms": 1e3 * statistics.mean(f - t0 for f in first.values()),
+               "steps": engine.stats["steps"] - steps0, "graph_steps": engine.stats["graph_steps"] - graph0}
+        last_first = max(first.values(), default=now)
+        steady = [s for s in steps if s[0] >= last_first]
+        if steady:
+            wall = sum(b - a for a, b, _, _ in steady)
+            row["decode_steps"] = len(steady)
+            row["decode_tokens_per_s"] = sum(k for _, _, k, _ in steady) / max(wall, 1e-9)
+            row["decode_step_ms"] = 1e3 * wall / len(steady)
+            row["host_ms_per_step"] = {part: 1e3 * sum(s[3][part] for s in steady) / len(steady)
+                                       for part in steady[0][3]}
+            row["host_work_ms_per_step"] = sum(v for k, v in row["host_ms_per_step"].items() if k != "sample")
+        return row
 
-    run("warmup", 1, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=4))
+    run("warmup", 1, opts.prompt_len, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=4))
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=opts.gen_len)
     rows = []
     for n in levels:
-        row = run(f"c{n}", n, params)
+        row = run(f"c{n}", n, opts.prompt_len, params)
         rows.append(row)
         if engine.spec:
             row["speculative"] = engine.spec_metrics()
         log(f"concurrency {n}: {row['output_tokens_per_s']:.1f} output tokens/s, TPOT {row['tpot_ms']:.2f} ms, "
             f"{row['graph_steps']}/{row['steps']} steps from graphs"
+            + (f"; steady decode {row['decode_tokens_per_s']:.1f} tokens/s, {row['decode_step_ms']:.2f} ms a step, "
+               f"host work {row['host_work_ms_per_step']:.2f} ms" if "decode_steps" in row else "")
             + (f", mean accepted length {row['speculative']['mean_accepted_length']:.2f}" if engine.spec else ""))
+    one = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1)
+    for length in opts.prefill_lens:
+        for n in opts.prefill_requests:
+            row = run(f"p{length}x{n}", n, length, one)
+            row["prefill"] = True
+            row["prefill_tokens_per_s"] = n * length / max(row["seconds"], 1e-9)
+            rows.append(row)
+            log(f"prefill {n} x {length} tokens: {row['prefill_tokens_per_s']:.0f} tokens/s, "
+                f"TTFT {row['ttft_ms']:.1f} ms, {row['steps']} steps")
     return rows
+
+
+def attach_step_rates(e2e: list, steps: list, key: str) -> None:
+    """Set each decode row of `e2e` beside the captured step of its concurrency (`key` of `steps`, ms): the
+    step's own tokens/s and the engine's steady decode rate as a fraction of it."""
+    by_tokens = {r["tokens"]: r for r in steps}
+    for row in e2e:
+        step = by_tokens.get(row["concurrency"], {}).get(key)
+        if row.get("prefill") or step is None or "decode_tokens_per_s" not in row:
+            continue
+        row["captured_step_ms"] = step
+        row["step_tokens_per_s"] = row["concurrency"] / (step / 1e3)
+        row["engine_over_step"] = row["decode_tokens_per_s"] / row["step_tokens_per_s"]

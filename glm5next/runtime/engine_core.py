@@ -28,6 +28,7 @@ from .cache import allocate_cache
 from .cache_plan import plan_cache
 from .detokenizer import IncrementalDetokenizer
 from .engine_args import EngineArgs
+from .host_times import HostTimes
 from .draft_graph import DraftGraphs
 from .driver import DrivenRunner, follow
 from .runner import Runner, check_capture_sizes
@@ -179,6 +180,10 @@ class LLMEngine:
         self._live: dict[str, _Live] = {}
         self.stats = {"steps": 0, "graph_steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "preemptions": 0,
                       "verify_rows": 0, "drafted": 0, "accepted": 0, "accepted_at": [0] * k}
+        self.host_times = HostTimes()
+        """Host time of plain steps by part (`HostTimes`); the runner charges `inputs` and `launch`."""
+        if isinstance(self.runner, Runner):
+            self.runner.host_times = self.host_times
 
     @classmethod
     def from_model(cls, model: Glm5NextModel, tokenizer: Tokenizer | None = None, **kwargs) -> "LLMEngine":
@@ -285,18 +290,24 @@ class LLMEngine:
             return []
         if self.spec:
             return spec_step(self)
+        times = self.host_times
+        times.start()
         out = self.scheduler.schedule()
         self.stats["preemptions"] += len(out.preempted)
         if not out.scheduled:
             raise RuntimeError("the scheduler could not place any request in the cache")
         items = [(r.token_ids, r.num_computed, n, r.slot, r.block_ids) for r, n in out.scheduled]
+        times.lap("schedule")
         replays = self.runner.num_replays
         logits = self.runner.execute(items, len(out.decodes))
+        if getattr(self.runner, "host_times", None) is not times:  # a runner that does not split its time
+            times.lap("launch")
         self.stats["graph_steps"] += self.runner.num_replays - replays
         self.stats["steps"] += 1
         rows = [i for i, (r, n) in enumerate(out.scheduled) if r.num_computed + n == len(r.token_ids)]
         reqs = [out.scheduled[i][0] for i in rows]
         tokens, logprobs, tops = self._sample(logits, rows, reqs)
+        times.lap("sample")
         ended = {r.request_id for r in self.scheduler.update(out, dict(zip((r.request_id for r in reqs), tokens)))}
         results = []
         for k, req in enumerate(reqs):
@@ -315,6 +326,8 @@ class LLMEngine:
                 del self._live[req.request_id]
             results.append(self._output(live, reason))
         self.stats["generated_tokens"] += len(reqs)
+        times.lap("outputs")
+        times.steps += 1
         return results
 
     def spec_metrics(self) -> dict:

@@ -15,6 +15,7 @@ import torch
 
 from ..forward import AttnMetadata, CUDAGraphMode, ForwardContext, ModelCache
 from ..model.backbone import Glm5NextModel
+from .host_times import HostTimes
 from .kda_commit import commit
 from .metadata import build_metadata
 
@@ -125,6 +126,8 @@ class Runner:
         self.graph_mode = False
         """Run graph-eligible steps eagerly, but as a capture would (static shapes, FULL mode)."""
         self.num_replays = 0
+        self.host_times = HostTimes()
+        """Where `execute` charges its host time: `inputs`, then `launch` (an engine passes its own)."""
         if executor is not None:
             executor.prepare_kv(cache)
 
@@ -169,9 +172,13 @@ class Runner:
             self.cache.block_size, self.device,
         )
         ctx = ForwardContext({p: md for p in self.prefixes}, md.positions, CUDAGraphMode.NONE)
-        hidden = self.model(torch.tensor(ids, dtype=torch.int64, device=self.device), ctx, self.cache)
+        ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        self.host_times.lap("inputs")
+        hidden = self.model(ids, ctx, self.cache)
         last = torch.tensor(md.query_start_loc_cpu[1:], device=self.device) - 1
-        return self.model.compute_logits(hidden[last])
+        logits = self.model.compute_logits(hidden[last])
+        self.host_times.lap("launch")
+        return logits
 
     @torch.inference_mode()
     def execute_verify(self, items: list[Item], num_decodes: int, q: int):
@@ -239,12 +246,14 @@ class Runner:
 
     def _replay(self, items: list[Item], size: int) -> tuple[torch.Tensor, torch.Tensor]:
         self.load_decode(items, size)
+        self.host_times.lap("inputs")
         if size in self.graphs:
             graph, logits, hidden = self.graphs[size]
             graph.replay()
             self.num_replays += 1
         else:
             logits, hidden = self._forward(size, capturing=True)  # graph mode: run as the capture would
+        self.host_times.lap("launch")
         n = len(items) * self.q
         return logits[:n], hidden[:n]
 

@@ -15,7 +15,8 @@ than its loads; "single" runs every projection in its own launch. A linear the k
 has an fp16 copy filed (`Fp16Copies`) reads that. The boundary writes one where the group reads it; in a
 DSA layer the stage runs the latent norms as kernels (`NormKernel`), the q_a norm's writing a copy where
 the q_b or the indexer's wq_b reads one, and the cast of the attention's values before the o_proj
-(`CastKernel`) writing one where the o_proj reads it.
+(`CastKernel`) writing one where the o_proj reads it, and the indexer's head weights, gate logits and
+key norm in one launch (`IndexerInputs`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from ..checkpoint.fp8 import FP8_DTYPE
 from ..config import DSA, KDA
 from ..kernels import linear as linear_kernels
 from ..kernels import producers
+from ..kernels.dsa import DsaScratch, IndexerInputWeights, indexer_inputs
 from ..model.dsa import DsaProjections
 from ..model.kda import KdaProjections
 from ..model.norm import RMSNorm
@@ -124,6 +126,24 @@ class CastKernel:
         return out.view(x.shape)
 
 
+class IndexerInputs:
+    """The rest of a DSA indexer's projections (`Indexer.outputs` after its linears) in one launch: the
+    fp32 head weights and the KPool gate logits of the sublayer's input, and the key's LayerNorm."""
+
+    def __init__(self, indexer, dtype: torch.dtype) -> None:
+        self.indexer = indexer
+        self.weights = IndexerInputWeights.of(indexer, dtype)
+        self.scratch = DsaScratch()
+
+    def __call__(self, x: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor):
+        """`Indexer.outputs(x, qi, ki)`: (queries [T, H, d], head weights, keys, gate logits)."""
+        ix = self.indexer
+        if not (_rows(x) and _rows(ki)):
+            return ix.outputs(x, qi, ki)
+        wi, gi, k = indexer_inputs(x, ki, self.weights, self.scratch)
+        return qi.view(-1, ix.n_heads, ix.head_dim), wi, k, gi
+
+
 class GroupLaunch:
     """Projections of one input in one launch: their outputs, in `members` order."""
 
@@ -151,6 +171,8 @@ class ProjectionStage:
         """layer index -> the stage of its projections, for the layers whose stage the policy enables."""
         self.launches: dict[int, dict[str, SingleLaunch]] = {}
         """layer index -> its projections the kernels can run (by path in the attention module), one launch each."""
+        self.indexer_inputs: dict[int, IndexerInputs] = {}
+        """DSA layer index -> its indexer's head weights, gate logits and key norm in one launch."""
         for layer in layers:
             stage = STAGE_OF[layer.layer_kind]
             if not policy.enabled(stage):
@@ -164,6 +186,8 @@ class ProjectionStage:
                 self.grouped_layers[layer.layer_idx] = (stage, self.groups[stage][-1])
             self.launches[layer.layer_idx] = {n: SingleLaunch(_get(attn, n), copies) for n in group_names + single_names
                                               if routable(_get(attn, n), dtype)}
+            if layer.layer_kind == DSA:
+                self.indexer_inputs[layer.layer_idx] = IndexerInputs(attn.indexer, dtype)
 
     def runs(self, layer, tokens: int) -> bool:
         """Whether the stage runs `layer`'s projections at this token count (else its stock sublayer runs)."""
@@ -198,7 +222,7 @@ class ProjectionStage:
     def dsa(self, attn, x: torch.Tensor, tokens: int) -> DsaProjections:
         """`attn.project(x)` (a DSA layer's) on the kernels, in its order: the group (or q_a), the q_a norm
         (one kernel, writing the fp16 copy where the q_b or the wq_b launch reads one), the q_b, the kv_a
-        norm, the indexer's wq_b and wk."""
+        norm, the indexer's wq_b and wk, then its head weights, gate logits and key norm (one launch)."""
         group = self._group(attn, x, tokens)
         q_a = group[0] if group else self._linear(attn, "q_a_proj")(x)
         copy = self._reads_x16(attn, "q_b_proj", tokens) or self._reads_x16(attn, "indexer.wq_b", tokens)
@@ -208,7 +232,8 @@ class ProjectionStage:
         c = NormKernel(attn.kv_a_layernorm)(kv_a)
         qi = self._linear(attn, "indexer.wq_b")(cq)
         ki = group[2] if group else self._linear(attn, "indexer.wk")(x)
-        return attn.projected(x, q, c, qi, ki)
+        qi, wi, ki, gi = self.indexer_inputs[attn.layer_idx](x, qi, ki)
+        return DsaProjections(q.view(x.shape[0], attn.num_heads, attn.nope_dim), c, qi, wi, ki, gi)
 
     def dsa_output(self, attn, values: torch.Tensor, dtype: torch.dtype, tokens: int) -> torch.Tensor:
         """`attn.output(values, dtype)` on the kernels: the cast (one kernel writing the o_proj's fp16 copy,

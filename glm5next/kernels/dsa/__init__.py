@@ -16,12 +16,12 @@ import triton
 
 from .attention import attend_kernel, head_product_kernel, merge_splits_kernel
 from .cache import write_cache_kernel
-from .indexer import index_scores_kernel, select_pools_kernel
-from .reference import (dsa_decode_reference, index_scores_reference, select_pools_reference,
-                        sparse_attention_reference)
+from .indexer import index_scores_kernel, indexer_inputs_kernel, select_pools_kernel
+from .reference import (dsa_decode_reference, index_scores_reference, indexer_inputs_reference,
+                        select_pools_reference, sparse_attention_reference)
 
-__all__ = ["DsaPlan", "DsaScratch", "DsaWeights", "dsa_decode", "dsa_decode_reference", "index_scores",
-           "index_scores_reference", "plan_dsa", "select_levels", "select_pools", "select_pools_reference",
+__all__ = ["DsaPlan", "DsaScratch", "DsaWeights", "IndexerInputWeights", "dsa_decode", "dsa_decode_reference", "index_scores",
+           "index_scores_reference", "indexer_inputs", "indexer_inputs_reference", "plan_dsa", "select_levels", "select_pools", "select_pools_reference",
            "sparse_attention", "sparse_attention_reference", "write_cache"]
 
 
@@ -50,6 +50,36 @@ class DsaWeights:
         w_uk, w_uv = attn.absorbed_weights()
         return cls(w_uk.to(dtype).contiguous(), w_uv.transpose(1, 2).to(dtype).contiguous(), attn.kpool,
                    attn.indexer.topk_pools, float(attn.scale), float(attn.indexer.softmax_scale))
+
+
+@dataclass(frozen=True)
+class IndexerInputWeights:
+    """One indexer's per-token inputs as `indexer_inputs` reads them, prepared once: `weight` [heads + gate
+    width, hidden], this rank's `weights_proj` rows widened to fp32 (as the stock path multiplies them) and
+    the KPool gate rounded to the model dtype (as it rounds it), stored in the model dtype where that holds
+    every row exactly (a bf16 checkpoint), else in fp32; the head-weight scale; the key norm."""
+
+    weight: torch.Tensor
+    heads: int
+    scale: float
+    norm_weight: torch.Tensor
+    norm_bias: torch.Tensor
+    eps: float
+
+    @property
+    def gate_width(self) -> int:
+        return self.weight.shape[0] - self.heads
+
+    @classmethod
+    def of(cls, indexer, dtype: torch.dtype) -> "IndexerInputWeights":
+        """The inputs' constants of a `glm5next.model.indexer.Indexer` in a model of dtype `dtype`."""
+        heads = indexer.weights_proj.dense_weight(torch.float32)
+        gate = indexer.index_kpool_compress_gate.to(dtype).float()
+        both = torch.cat([heads, gate]).contiguous()
+        narrow = both.to(dtype)
+        weight = narrow if torch.equal(narrow.float(), both) else both
+        return cls(weight, heads.shape[0], float(indexer.head_weight_scale), indexer.k_norm.weight,
+                   indexer.k_norm.bias, float(indexer.k_norm.eps))
 
 
 @dataclass(frozen=True)
@@ -127,10 +157,11 @@ class DsaScratch:
     def __init__(self) -> None:
         self._by_key: dict[tuple, torch.Tensor] = {}
 
-    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device, zero: bool = False) -> torch.Tensor:
+        """The tensor `name` of this shape (allocated on first use; zeroed then if `zero`)."""
         key = (name, shape, dtype, str(device))
         if key not in self._by_key:
-            self._by_key[key] = torch.empty(shape, dtype=dtype, device=device)
+            self._by_key[key] = (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
         return self._by_key[key]
 
 
@@ -169,6 +200,44 @@ def write_cache(c: torch.Tensor, ki: torch.Tensor, gi: torch.Tensor, positions: 
             c, ki, gi, positions, slots, token_to_seq, ape, latent, index_key, index_gate, pooled_key,
             c.stride(0), ki.stride(0), gi.stride(0), scratch_row, t, r, d,
             KP=kp, RP=_pow2(r), DP=_pow2(d), num_warps=4)
+
+
+def indexer_inputs(x: torch.Tensor, ki: torch.Tensor, w: IndexerInputWeights, scratch: DsaScratch,
+                   out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The indexer's fp32 head weights [T, heads] (scale included), gate logits [T, gate width] in x's
+    dtype and normalised keys [T, d] in ki's dtype, of the sublayer's input `x` [T, hidden] and the raw
+    keys `ki` [T, d] (wk's output), in one launch (`indexer_inputs_kernel`); into `out` if given."""
+    t, k = x.shape
+    d = ki.shape[1]
+    c = w.weight.shape[0]
+    if w.weight.shape[1] != k or ki.shape[0] != t or x.stride(1) != 1 or ki.stride(1) != 1:
+        raise ValueError(f"indexer inputs: x {tuple(x.shape)} and keys {tuple(ki.shape)} (unit channel "
+                         f"strides) against a weight {tuple(w.weight.shape)}")
+    dev = x.device
+    if out is None:
+        out = (torch.empty(t, w.heads, dtype=torch.float32, device=dev),
+               torch.empty(t, w.gate_width, dtype=x.dtype, device=dev), torch.empty(t, d, dtype=ki.dtype, device=dev))
+    wi, gi, ko = out
+    if t == 0:
+        return wi, gi, ko
+    on_gpu = dev.type == "cuda"
+    block_c = 16
+    ncb = triton.cdiv(c, block_c)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if on_gpu else 4
+    # Splits of one load each, enough that the channel blocks fill the GPU twice at one token (hidden 4096
+    # on 132 SMs: 16 splits of 256 channels).
+    block_k = max(16, triton.next_power_of_2(triton.cdiv(k, max(1, 2 * sms // ncb))))
+    splits = triton.cdiv(k, block_k)
+    part = scratch.get("inputs_part", (splits, t, c), torch.float32, dev)
+    tickets = scratch.get("inputs_tickets", (ncb,), torch.int32, dev, zero=True)
+    ieee = not (x.dtype == w.weight.dtype and x.dtype in (torch.bfloat16, torch.float16))
+    indexer_inputs_kernel[(ncb + 1, splits)](
+        x, w.weight, ki, w.norm_weight, w.norm_bias, part, tickets, wi, gi, ko,
+        t, k, x.stride(0), ki.stride(0), wi.stride(0), gi.stride(0), ko.stride(0), w.scale, w.eps,
+        HI=w.heads, G=w.gate_width, D=d, S=splits, NCB=ncb, BLOCK_T=_pow2(min(t, 64)), BLOCK_C=block_c,
+        BLOCK_K=block_k, DP=_pow2(d), IEEE=ieee, num_warps=4)
+    return wi, gi, ko
 
 
 def index_scores(qi: torch.Tensor, wi: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,

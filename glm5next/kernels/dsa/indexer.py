@@ -26,6 +26,15 @@ positions first (`_top`, shared by every level).
     visible pools fit one chunk, e.g. 8K tokens of context: one launch in all), the kept pools written in
     ascending order, then -1 up to K, and the count of kept pools beside them.
 Tokens that see at most K pools keep all of them. Padding tokens (slot -1) see no pools.
+
+`indexer_inputs_kernel` — before the cache writes: the token's fp32 head weights (`weights_proj`, times
+the head-weight scale) and KPool gate logits, both products of the sublayer's input against one weight
+[heads + gate width, hidden] prepared at load (the head rows widened to fp32 as the stock path widens
+them, the gate rows rounded to the model dtype as it rounds them: every product is exact in fp32), and the
+indexer key's LayerNorm. Grid (channel blocks + 1, splits): program (c, s) stores its split's partial
+products of channel block c, then takes a ticket of the block's counter; the program drawing the last
+ticket resets the counter (a captured graph replays the launch) and sums the partials in split order
+(deterministic). The extra column's first program normalises the keys.
 """
 
 from __future__ import annotations
@@ -153,3 +162,68 @@ def select_pools_kernel(
         tl.store(dst_key_ptr + at, ordered, mask=take)
         j = tl.arange(0, WB)
         tl.store(dst_ptr + t * s_dst + c * W + j, tl.full([WB], -1, tl.int32), mask=(j >= kept) & (j < W))
+
+
+@triton.jit
+def indexer_inputs_kernel(
+    x_ptr, w_ptr, ki_ptr, lnw_ptr, lnb_ptr, part_ptr, ticket_ptr, wi_ptr, gi_ptr, ko_ptr,
+    T, K, s_x, s_ki, s_wi, s_gi, s_ko, scale, eps,
+    HI: tl.constexpr, G: tl.constexpr, D: tl.constexpr, S: tl.constexpr, NCB: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, DP: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """x [T, K] (row stride s_x), the weight [HI + G, K] (contiguous), raw keys ki [T, D] (row stride
+    s_ki), the key norm's weight and bias [D]; partials [S, T, HI + G] fp32 and tickets [NCB] int32 (zero
+    between launches); outputs: head weights wi [T, HI] fp32, gate logits gi [T, G] and keys ko [T, D]
+    (row strides s_wi, s_gi, s_ko; unit channel strides). A split is BLOCK_K channels of K, one load.
+    IEEE: fp32 products on the FMA units; else x and the weight share a 16-bit type, whose products the
+    tensor cores form exactly in fp32."""
+    c = tl.program_id(0)
+    s = tl.program_id(1)
+    C: tl.constexpr = HI + G
+    if c == NCB:
+        if s == 0:  # the key norm: statistics and affine map in fp32
+            d = tl.arange(0, DP)
+            dok = d < D
+            lw = tl.load(lnw_ptr + d, mask=dok, other=0.0).to(tl.float32)
+            lb = tl.load(lnb_ptr + d, mask=dok, other=0.0).to(tl.float32)
+            for t0 in range(0, T, BLOCK_T):
+                t = t0 + tl.arange(0, BLOCK_T)
+                m = (t < T)[:, None] & dok[None, :]
+                v = tl.load(ki_ptr + t[:, None] * s_ki + d[None, :], mask=m, other=0.0).to(tl.float32)
+                mean = tl.sum(v, 1) / D
+                xc = tl.where(m, v - mean[:, None], 0.0)
+                var = tl.sum(xc * xc, 1) / D
+                y = xc * (1.0 / tl.sqrt_rn(var + eps))[:, None] * lw[None, :] + lb[None, :]
+                tl.store(ko_ptr + t[:, None] * s_ko + d[None, :], y.to(ko_ptr.dtype.element_ty), mask=m)
+    else:
+        ch = c * BLOCK_C + tl.arange(0, BLOCK_C)
+        cok = ch < C
+        k = s * BLOCK_K + tl.arange(0, BLOCK_K)
+        kok = k < K
+        wv = tl.load(w_ptr + ch[:, None] * K + k[None, :], mask=cok[:, None] & kok[None, :], other=0.0)
+        for t0 in range(0, T, BLOCK_T):
+            t = t0 + tl.arange(0, BLOCK_T)
+            tok = t < T
+            xv = tl.load(x_ptr + t[:, None] * s_x + k[None, :], mask=tok[:, None] & kok[None, :], other=0.0)
+            if IEEE:
+                acc = tl.dot(xv.to(tl.float32), tl.trans(wv.to(tl.float32)), input_precision="ieee")
+            else:
+                acc = tl.dot(xv, tl.trans(wv))
+            tl.store(part_ptr + (s * T + t[:, None]) * C + ch[None, :], acc, mask=tok[:, None] & cok[None, :])
+        tl.debug_barrier()  # every thread's stores precede the ticket's release
+        ticket = tl.atomic_add(ticket_ptr + c, 1, sem="acq_rel")
+        if ticket == S - 1:
+            tl.store(ticket_ptr + c, 0)
+            for t0 in range(0, T, BLOCK_T):
+                t = t0 + tl.arange(0, BLOCK_T)
+                m = (t < T)[:, None] & cok[None, :]
+                tot = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+                for j in tl.static_range(S):  # split order; unrolled, so every load is in flight at once
+                    tot += tl.load(part_ptr + (j * T + t[:, None]) * C + ch[None, :], mask=m, other=0.0,
+                                   cache_modifier=".cg")
+                head = ch < HI
+                tl.store(wi_ptr + t[:, None] * s_wi + ch[None, :], tot * scale, mask=m & head[None, :])
+                gch = tl.where(head, 0, ch - HI)
+                tl.store(gi_ptr + t[:, None] * s_gi + gch[None, :], tot.to(gi_ptr.dtype.element_ty),
+                         mask=m & ~head[None, :])

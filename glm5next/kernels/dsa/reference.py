@@ -1,5 +1,5 @@
 """The DSA decode launches' fp32 references: plain, self-contained PyTorch of the same signatures as
-`index_scores`, `select_pools`, `sparse_attention` and `dsa_decode`, one token at a time, with explicit
+`indexer_inputs`, `index_scores`, `select_pools`, `sparse_attention` and `dsa_decode`, one token at a time, with explicit
 pool and row lists and a stable sort for the top-k (higher score first, the lower pool on ties)."""
 
 from __future__ import annotations
@@ -9,6 +9,15 @@ import torch
 
 def _visible(position: int, slot: int, kpool: int, n_pools: int) -> int:
     return 0 if slot < 0 else min((position + 1) // kpool, n_pools)
+
+
+def indexer_inputs_reference(x, ki, w, scratch=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """See `glm5next.kernels.dsa.indexer_inputs`: the stock formulas, in fp32."""
+    prod = x.float() @ w.weight.float().t()
+    wi = prod[:, : w.heads] * w.scale
+    gi = prod[:, w.heads:].to(x.dtype)
+    ko = torch.nn.functional.layer_norm(ki.float(), (ki.shape[1],), w.norm_weight.float(), w.norm_bias.float(), w.eps)
+    return wi, gi, ko.to(ki.dtype)
 
 
 def index_scores_reference(qi, wi, positions, slots, token_to_seq, block_tables, pooled_key, kpool, scale, plan=None,
