@@ -81,8 +81,10 @@ def plot(result: dict, out: str) -> str:
     """Write the figure of `result` to `out` (PNG); returns `out`."""
     if result.get("mode") == "speculative":
         return plot_speculative(result, out)
-    steps, e2e = result.get("steps") or [], result.get("e2e") or []
-    panels = (1 if steps else 0) + (1 if e2e else 0)
+    steps = result.get("steps") or []
+    e2e = [r for r in result.get("e2e") or [] if not r.get("prefill")]
+    split = [r for r in e2e if r.get("host_ms_per_step")]
+    panels = (1 if steps else 0) + (1 if e2e else 0) + (1 if split else 0)
     if not panels:
         raise ValueError("the result holds neither step times nor end-to-end rows")
     fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4.8), squeeze=False)
@@ -123,6 +125,30 @@ def plot(result: dict, out: str) -> str:
             ax2.set_ylabel("mean time per output token (ms)", color="tab:red")
         graphs = any(r.get("graph_steps") for r in e2e)
         ax.set_title(f"engine end to end (greedy, CUDA graphs {'on' if graphs else 'off'})")
+    if split:
+        # The steady decode's wall time a step, as shares of the engine's parts (stacked to 100 %), and the
+        # captured step's own time as a share of it (the rest is what the serial loop adds).
+        ax = axes.pop(0)
+        labels = [str(r["concurrency"]) for r in split]
+        walls = [r["decode_step_ms"] for r in split]
+        bottom = [0.0] * len(split)
+        for part in split[0]["host_ms_per_step"]:
+            ys = [100 * r["host_ms_per_step"][part] / w for r, w in zip(split, walls)]
+            ax.bar(labels, ys, bottom=bottom, label=part + (" (holds the GPU wait)" if part == "sample" else ""))
+            bottom = [b + y for b, y in zip(bottom, ys)]
+        steps_ms = [(i, 100 * r["captured_step_ms"] / w) for i, (r, w) in enumerate(zip(split, walls))
+                    if "captured_step_ms" in r]
+        if steps_ms:
+            ax.plot([i for i, _ in steps_ms], [v for _, v in steps_ms], "k_", markersize=30, mew=2,
+                    label="captured step alone")
+        for i, w in enumerate(walls):
+            ax.annotate(f"{w:.2f} ms", (i, 101), ha="center", fontsize=8)
+        ax.set_ylim(0, 110)
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel("% of a decode step's wall time")
+        ax.set_title("steady decode: engine time a step by part")
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
