@@ -26,6 +26,12 @@ DEFAULT_SPEC_TOKENS = "1,2,3"
 DEFAULT_ACCEPTED = "2.5,3.0"
 
 
+PREFILL = (1024, 8192, 32768)
+SMALL_PREFILL = (32, 128)
+"""The end-to-end prefill rows' prompt lengths by default: the real-width slice's, and the small one's
+(which runs on a CPU)."""
+
+
 def _int_list(text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(v) for v in text.split(",") if v.strip())
@@ -93,8 +99,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--skip-e2e", action="store_true", help="no end-to-end engine throughput")
     p.add_argument("--prompt-len", type=int, default=64, help="end-to-end prompt tokens per request")
     p.add_argument("--gen-len", type=int, default=64, help="end-to-end output tokens per request")
-    p.add_argument("--prefill-lens", type=_int_list, default=_int_list("1024,8192,32768"),
-                   help="prompt lengths of the end-to-end prefill rows (default 1024,8192,32768; empty: none)")
+    p.add_argument("--prefill-lens", type=_int_list, default=None,
+                   help="prompt lengths of the end-to-end prefill rows (default 1024,8192,32768; with --small "
+                        "32,128; empty: none)")
     p.add_argument("--prefill-requests", type=_int_list, default=_int_list("1,8"),
                    help="prompts of each length sent together (default 1,8)")
     p.add_argument("--bw-gib", type=float, default=1.0, help="GiB of the bandwidth probe buffer (>= 1 on a GPU)")
@@ -205,7 +212,8 @@ def cmd_bench(args) -> int:
         eager_iters=eager_iters, eager_warmup=args.eager_warmup, replays=replays,
         graph_warmup=args.graph_warmup, skip_eager=args.skip_eager, skip_graph=args.skip_graph,
         skip_e2e=args.skip_e2e, prompt_len=args.prompt_len, gen_len=args.gen_len,
-        prefill_lens=args.prefill_lens, prefill_requests=args.prefill_requests, bw_gib=args.bw_gib, seed=args.seed,
+        prefill_lens=args.prefill_lens if args.prefill_lens is not None else SMALL_PREFILL if args.small else PREFILL,
+        prefill_requests=args.prefill_requests, bw_gib=args.bw_gib, seed=args.seed,
         speculative_config=args.speculative_config, tensor_parallel_size=args.tensor_parallel_size,
     )
     if args.mode == "specialized":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..forward import AttnMetadata, CUDAGraphMode, ForwardContext, ModelCache
@@ -60,6 +61,13 @@ class _StaticInputs:
         width = len(self.FIELDS) * size + size * max_blocks
         self.device_buf = torch.zeros(width, dtype=torch.int64, device=device)
         self.host_buf = torch.zeros(width, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.host_np = self.host_buf.numpy()
+        self.by_state: dict[int, tuple[list[int], np.ndarray, int]] = {}
+        """KDA state slot -> the block ids last loaded for it, the same as a zero-padded table row, and that
+        content's version (a number no other content had)."""
+        self.rows: list[int | None] = [None] * size
+        """The version each block-table row of the host mirror holds (None: zeros)."""
+        self._versions = 0
         self.views = {}
         for i, name in enumerate(self.FIELDS):
             self.views[name] = self.device_buf[i * size : (i + 1) * size]
@@ -76,18 +84,63 @@ class _StaticInputs:
             num_spec_decodes=rows if q > 1 else 0, num_spec_decode_tokens=n if q > 1 else 0,
         )
 
-    TOKEN_FIELDS = ("input_ids", "positions", "token_to_seq", "slot_mapping")
-
-    def load(self, ids: list[int], md: AttnMetadata) -> None:
-        """Write one step's decode inputs (host metadata built for the padded size) and copy them over."""
-        h, s = self.host_buf, self.size
-        h[: len(ids)] = torch.tensor(ids, dtype=torch.int64)
-        for i, name in enumerate(self.FIELDS[1:], start=1):
-            n = md.num_decode_tokens if name in self.TOKEN_FIELDS else md.num_decodes
-            h[i * s : i * s + n] = getattr(md, name)
-        tables = h[len(self.FIELDS) * s :].view(s, self.max_blocks)
-        tables[: md.num_decodes] = md.block_tables
-        self.device_buf.copy_(h, non_blocking=True)
+    def load(self, items: list, size: int, q: int, block_size: int) -> None:
+        """Write the inputs of a decode (q = 1) or uniform verify step of `items` (q tokens each), padded
+        with whole rows to `size` tokens, into the host mirror, and copy it over: the values
+        `build_metadata` gives the same rows (a padding row: positions 0..q-1, slot -1, state -1, no blocks),
+        written straight into the buffer. Each sequence's table is kept as a row (by its KDA state slot): a decode
+        step converts only the block ids a sequence gained, and a row that moves is one row copy."""
+        s, mb = self.size, self.max_blocks
+        rows = size // q
+        ids, pos, seq, slots, states, lens = [], [], [], [], [], []
+        for r, (toks, c, _, state, blocks) in enumerate(items):
+            if len(blocks) > mb:
+                raise ValueError(f"sequence {r} has {len(blocks)} blocks, more than max_blocks={mb}")
+            if (c + q - 1) // block_size >= len(blocks):
+                raise ValueError(f"sequence {r}: position {c + q - 1} has no cache block (table has {len(blocks)})")
+            ids += toks[c : c + q]
+            for p in range(c, c + q):
+                pos.append(p)
+                seq.append(r)
+                slots.append(blocks[p // block_size] * block_size + p % block_size)
+            states.append(state)
+            lens.append(c + q)
+        for r in range(len(items), rows):  # padding rows
+            pos += range(q)
+            seq += [r] * q
+            slots += [-1] * q
+            states.append(-1)
+            lens.append(q)
+        ids += [0] * (size - len(ids))
+        h = self.host_np
+        for i, values in enumerate((ids, pos, seq, slots, states, lens)):
+            h[i * s : i * s + len(values)] = values
+        tables = h[len(self.FIELDS) * s :].reshape(s, mb)
+        for r in range(rows):
+            if r >= len(items):
+                if self.rows[r] is not None:
+                    tables[r] = 0
+                    self.rows[r] = None
+                continue
+            state, blocks = items[r][3], items[r][4]
+            if not isinstance(blocks, list):
+                blocks = list(blocks)
+            held = self.by_state.get(state)
+            if held is None or held[0] != blocks:
+                # A sequence's table grows at its end: convert only the new ids where the old ones are a prefix.
+                k = len(held[0]) if held is not None and held[0] == blocks[: len(held[0])] else 0
+                row = held[1] if k else np.zeros(mb, dtype=np.int64)
+                row[k : len(blocks)] = blocks[k:]
+                self._versions += 1
+                held = (list(blocks), row, self._versions)
+                self.by_state[state] = held
+            if self.rows[r] != held[2]:
+                tables[r] = held[1]
+                self.rows[r] = held[2]
+        live = {item[3] for item in items}
+        if len(self.by_state) > 2 * max(len(live), 1):  # forget finished sequences now and then
+            self.by_state = {st: v for st, v in self.by_state.items() if st in live}
+        self.device_buf.copy_(self.host_buf, non_blocking=True)
 
 
 class Runner:
@@ -234,15 +287,7 @@ class Runner:
     @torch.inference_mode()
     def load_decode(self, items: list[Item], size: int) -> None:
         """Fill the static buffers for `items` (q tokens each) padded with whole rows to `size` tokens."""
-        q = self.q
-        pad = size // q - len(items)
-        md = build_metadata(
-            [q] * (size // q), [c for _, c, _, _, _ in items] + [0] * pad, size // q,
-            [slot for *_, slot, _ in items] + [-1] * pad, [b for *_, b in items] + [[]] * pad,
-            self.cache.block_size, "cpu", max_blocks=self.max_blocks,
-        )
-        ids = [t for toks, c, _, _, _ in items for t in toks[c : c + q]]
-        self._ensure_static().load(ids + [0] * (size - len(ids)), md)
+        self._ensure_static().load(items, size, self.q, self.cache.block_size)
 
     def _replay(self, items: list[Item], size: int) -> tuple[torch.Tensor, torch.Tensor]:
         self.load_decode(items, size)
