@@ -58,21 +58,24 @@ def nan_outputs(t, w, d, dtype, device="cpu"):
             torch.full((t, d), float("nan"), dtype=dtype, device=device))
 
 
-@pytest.mark.parametrize("t", [1, 5, 67])
-def test_indexer_inputs_match_reference_at_odd_sizes(t):
+@pytest.mark.parametrize("t,dtype", [(1, torch.float32), (5, torch.float32), (67, torch.float32),
+                                     (5, torch.bfloat16)])
+def test_indexer_inputs_match_reference_at_odd_sizes(t, dtype):
     """Head weights, gate logits and normalised keys at odd widths (a channel block across the head/gate
-    border, a hidden size off the tiles, more rows than one tile), twice (the tickets reset)."""
+    border, a hidden size off the tiles, more rows than one tile), twice (the tickets reset); in bf16 the
+    gate logits and keys within a bf16 rounding."""
     heads, gate, hidden, d = 3, 24, 72, 24
     g = torch.Generator().manual_seed(t)
-    w = IndexerInputWeights(torch.randn(heads + gate, hidden, generator=g), heads, 0.3,
+    w = IndexerInputWeights(torch.randn(heads + gate, hidden, generator=g).to(dtype), heads, 0.3,
                             torch.randn(d, generator=g), torch.randn(d, generator=g), 1e-6)
     scratch = DsaScratch()
+    tol = 1e-5 if dtype == torch.float32 else 2**-7
     for _ in range(2):
-        x = torch.randn(t, hidden, generator=g)
-        ki = torch.randn(t, d, generator=g) * 3 + 1
-        got = indexer_inputs(x, ki, w, scratch, out=nan_outputs(t, w, d, torch.float32))
-        for a, b in zip(got, indexer_inputs_reference(x, ki, w)):
-            assert not a.isnan().any() and rel(a, b) < 1e-5
+        x = torch.randn(t, hidden, generator=g).to(dtype)
+        ki = (torch.randn(t, d, generator=g) * 3 + 1).to(dtype)
+        got = indexer_inputs(x, ki, w, scratch, out=nan_outputs(t, w, d, dtype))
+        for a, b, bound in zip(got, indexer_inputs_reference(x, ki, w), (1e-5, tol, tol)):
+            assert not a.isnan().any() and rel(a, b) < bound
 
 
 def test_indexer_inputs_equal_the_stock_indexer(tiny_fp32):

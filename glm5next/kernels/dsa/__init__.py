@@ -231,7 +231,9 @@ def indexer_inputs(x: torch.Tensor, ki: torch.Tensor, w: IndexerInputWeights, sc
     splits = triton.cdiv(k, block_k)
     part = scratch.get("inputs_part", (splits, t, c), torch.float32, dev)
     tickets = scratch.get("inputs_tickets", (ncb,), torch.int32, dev, zero=True)
-    ieee = not (x.dtype == w.weight.dtype and x.dtype in (torch.bfloat16, torch.float16))
+    # 16-bit tensor-core products on a GPU; fp32 ones otherwise (the interpreter multiplies 16-bit floats
+    # only once widened).
+    ieee = not (on_gpu and x.dtype == w.weight.dtype and x.dtype in (torch.bfloat16, torch.float16))
     indexer_inputs_kernel[(ncb + 1, splits)](
         x, w.weight, ki, w.norm_weight, w.norm_bias, part, tickets, wi, gi, ko,
         t, k, x.stride(0), ki.stride(0), wi.stride(0), gi.stride(0), ko.stride(0), w.scale, w.eps,
