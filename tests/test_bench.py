@@ -589,3 +589,20 @@ def test_stage_rows_subtract_and_report_the_boundary_alone(monkeypatch):
     (row,) = specialized._stage_rows(None, 4, Policy({"dense_mlp": {"4": "fused"}}), 1e12)
     assert row["us"] == 22.5 and row["stock_us"] == 242.5 and row["before_us"] == 7.5
     assert row["bw_fraction"] == pytest.approx(1e6 / 22.5e-6 / 1e12)
+
+
+def test_dsa_case_runs_the_stage_and_the_stock_attention_alike(installed):
+    """The DSA stage case on the small slice (interpreted kernels): both choices give the same values for
+    every instance, and its bytes count the weights and each row's pooled keys and selected rows."""
+    from glm5next.bench.stages import dsa_case, stage_cases
+
+    model, _ = installed
+    case = dsa_case(model, 2, context=40, copies=1)
+    assert case.stage == "dsa" and case.calls == 2 and set(case.runs) == {"sparse", "stock"}
+    got, want = case.runs["sparse"](), case.runs["stock"]()
+    for a, b in zip(got, want):
+        assert float((a - b).abs().max() / b.abs().max()) < 1e-2
+    weights = sum(t.numel() * t.element_size() for layer in model.layers if layer.layer_kind == DSA
+                  for t in (layer.self_attn.kv_b_proj.weight,)) // 2  # one layer's, as a lower bound
+    assert case.bytes_per_call > weights > 0
+    assert "dsa" in [c.stage for c in stage_cases(model, 1, stages=["dsa"])]

@@ -28,7 +28,9 @@ from ..model.kda import KdaProjections
 from ..model.mhc import hc_post
 from ..specialized_decode.boundary import BoundaryStage
 from ..specialized_decode.copies import Fp16Copies
+from ..runtime.metadata import build_metadata
 from ..specialized_decode.dense_mlp import DenseMlpStage
+from ..specialized_decode.dsa import DsaStage
 from ..specialized_decode.kda import KdaStage
 from ..specialized_decode.linear import (DSA_GROUP, DSA_SINGLES, KDA_GROUP, KDA_SINGLES, RELEASE_LATE, ProjectionStage,
                                           _get)
@@ -36,6 +38,7 @@ from ..specialized_decode.logits import LogitsStage
 from ..specialized_decode.moe import MoeStage
 from ..specialized_decode.policy import STAGES, STOCK, Policy
 from .floor import capture, time_replays
+from .slice import fill_context, make_cache
 
 L2_BYTES = 60 * 2**20
 ROTATE_BYTES = 4 * L2_BYTES
@@ -259,6 +262,39 @@ def kda_case(model, m: int) -> Case:
     return Case("kda", m, per, runs, len(calls))
 
 
+DSA_CASE_CONTEXT = 8192
+"""Cached tokens before each row's new one in the DSA case (the benchmark's default context)."""
+
+
+def dsa_case(model, m: int, context: int = DSA_CASE_CONTEXT, copies: int | None = None) -> Case:
+    """Every DSA layer's middle (cache writes, pool scores, top-k pools, sparse attention, value-up) for m
+    decode rows over `context` cached tokens of random prior context each: the stage against the stock
+    `SparseMLA.attention`, both on the projections of one random input per layer. The bytes are the
+    stage's floor: each row's visible pooled keys and selected latent rows (the tail included), and
+    W_UK / W_UV in the model dtype; the weights are copied past the L2 where they fit it (`copies`
+    instances of each layer in all, at most 8, where given)."""
+    cfg, dev, dt = model.config, model.embed_tokens.device, model.embed_tokens.dtype
+    gen = torch.Generator(device=dev).manual_seed(m + 7)
+    layers = [layer.self_attn for layer in model.layers if layer.layer_kind == DSA and DsaStage.supports(layer.self_attn)]
+    cache = make_cache(cfg, m, context, 16, dt, dev, tp_size=model.tp.size)
+    blocks = fill_context(cache, m, context, seed=m)
+    md = build_metadata([1] * m, [context] * m, m, list(range(m)), blocks, cache.block_size, dev)
+    calls, per = [], 0
+    for attn in layers:
+        x = torch.randn(m, cfg.hidden_size, generator=gen, device=dev).to(dt)
+        stage, c = DsaStage(attn, dt), cache.dsa[attn.layer_idx]
+        pools = (context + 1) // attn.kpool
+        rows = min(pools, stage.weights.topk_pools) * attn.kpool + attn.kpool - 1
+        per = (_nbytes(stage.weights.w_uk, stage.weights.w_uv_t)
+               + m * (pools * c.pooled_key.shape[-1] + rows * c.latent.shape[-1]) * c.latent.element_size())
+        calls.append((attn, stage, attn.project(x), c))
+    copies = min(8, _copies(per * len(calls))) if copies is None else copies
+    calls += [(attn, DsaStage(attn, dt), p, c) for _ in range(copies - 1) for attn, _, p, c in calls[: len(layers)]]
+    runs = {"sparse": lambda: [stage(p, md, c)[0] for _, stage, p, c in calls],
+            STOCK: lambda: [attn.attention(p, md, c)[0] for attn, _, p, c in calls]}
+    return Case("dsa", m, per, runs, len(calls))
+
+
 def logits_case(model, m: int) -> Case:
     dev, dt = model.embed_tokens.device, model.embed_tokens.dtype
     h = torch.randn(m, model.config.hidden_size, generator=torch.Generator(device=dev).manual_seed(m), device=dev).to(dt)
@@ -269,12 +305,12 @@ def logits_case(model, m: int) -> Case:
 
 
 def stage_cases(model, m: int, stages=None) -> list[Case]:
-    """Every stage's case at `m` tokens (those in `stages`, when given) that this backbone supports. The DSA
-    stage has none here: `benchmarks/dsa_stage.py` measures it against its floor over a filled context."""
+    """Every stage's case at `m` tokens (those in `stages`, when given) that this backbone supports."""
     builders = {
         "boundary": lambda: boundary_case(model, m),
         "kda_proj": lambda: _projection_case(model, m, KDA, "kda_proj"),
         "kda": lambda: kda_case(model, m),
+        "dsa": lambda: dsa_case(model, m),
         "dsa_proj": lambda: _projection_case(model, m, DSA, "dsa_proj"),
         "dense_mlp": lambda: _mlp_case(model, m, "dense_mlp"),
         "shared_expert": lambda: _mlp_case(model, m, "shared_expert"),
@@ -283,11 +319,12 @@ def stage_cases(model, m: int, stages=None) -> list[Case]:
     }
     kinds = {layer.layer_kind for layer in model.layers}
     has = {"kda_proj": KDA in kinds, "kda": KDA in kinds, "dsa_proj": DSA in kinds,
+           "dsa": any(layer.layer_kind == DSA and DsaStage.supports(layer.self_attn) for layer in model.layers),
            "dense_mlp": any(not layer.mlp_is_moe for layer in model.layers),
            "shared_expert": any(layer.mlp_is_moe for layer in model.layers),
            "moe": any(layer.mlp_is_moe and MoeStage.supports(layer.mlp) for layer in model.layers),
            "logits_head": model.lm_head.weight.dtype == torch.bfloat16, "boundary": True}
-    return [builders[s]() for s in (stages or STAGES) if s in builders and has[s]]
+    return [builders[s]() for s in (stages or STAGES) if has[s]]
 
 
 def _median_us(fn, calls: int, replays: int) -> float:

@@ -266,7 +266,7 @@ def index_scores(qi: torch.Tensor, wi: torch.Tensor, positions: torch.Tensor, sl
         qi, wi, positions, slots, token_to_seq, block_tables, pooled_key, out,
         qi.stride(0), qi.stride(1), wi.stride(0), block_tables.stride(0), out.stride(0), n_pools, hi, d, scale,
         plan.score_splits, KP=kpool, PER_BLOCK=per_block, HP=_pow2(hi), DP=_pow2(d), BLOCK_P=plan.block_p,
-        IEEE=pooled_key.dtype == torch.float32, num_warps=plan.num_warps)
+        IEEE=pooled_key.dtype == torch.float32 or pooled_key.device.type != "cuda", num_warps=plan.num_warps)
     return out
 
 
@@ -343,7 +343,7 @@ def sparse_attention(q: torch.Tensor, selection: torch.Tensor, count: torch.Tens
     scratch = scratch or DsaScratch()
     dev = q.device
     splits = plan.kv_splits
-    ieee = latent.dtype == torch.float32
+    ieee = latent.dtype == torch.float32 or latent.device.type != "cuda"  # the interpreter widens 16-bit first
     qlat = scratch.get("qlat", (t, h, r), latent.dtype, dev)
     head_product_kernel[(h, triton.cdiv(r, plan.block_r))](  # absorb: q @ W_UK
         q, q.stride(0), q.stride(1), slots, w.w_uk, qlat, t, h, n, r,
