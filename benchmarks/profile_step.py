@@ -6,7 +6,7 @@ replays of the planned step's CUDA graph (and of the stock graph), kernels group
 Per token count: the step's replay time against its floor (the bytes the step reads, distinct experts
 from the routing of an eager step, over the read bandwidth measured in this process), the number of kernels one replay launches, and per family
 (by kernel name) the summed kernel time, its share of the kernel time and its launch count; every kernel's
-time and launches in the JSON.
+time and launches in the JSON, under its full name.
 """
 
 from __future__ import annotations
@@ -47,6 +47,14 @@ def family(name: str) -> str:
     return "other"
 
 
+def short_name(name: str) -> str:
+    """A kernel's name without its return type, namespaces' anonymity and template or argument lists, for
+    printing (e.g. `at::native::unrolled_elementwise_kernel`)."""
+    name = name.removeprefix("void ").replace("(anonymous namespace)::", "")
+    cut = min((i for i in (name.find("<"), name.find("(")) if i >= 0), default=len(name))
+    return name[:cut]
+
+
 def profile_graph(graph, replays: int = 3) -> dict:
     """Kernel time by family over `replays` replays, per replay."""
     graph.replay()
@@ -61,7 +69,7 @@ def profile_graph(graph, replays: int = 3) -> dict:
         if ev.device_type != torch.autograd.DeviceType.CUDA:
             continue
         us = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
-        for table, key in ((fams, family(ev.name)), (names, ev.name[:90])):
+        for table, key in ((fams, family(ev.name)), (names, ev.name)):
             table[key][0] += us / replays
             table[key][1] += 1 / replays
     total = sum(v[0] for v in fams.values())
@@ -113,7 +121,7 @@ def main() -> None:
             for fam, v in row["families"].items():
                 print(f"    {fam:22s} {v['us']:9.1f} us {100 * v['share']:5.1f} % {v['launches']:5d} launches")
             for name, v in list(row["top_kernels"].items())[:8]:
-                print(f"      {v['us']:9.1f} us x{v['launches']:4d}  {name}")
+                print(f"      {v['us']:9.1f} us x{v['launches']:4d}  {short_name(name)}")
         del runner
         torch.cuda.empty_cache()
     if args.out:

@@ -279,16 +279,17 @@ def dsa_case(model, m: int, context: int = DSA_CASE_CONTEXT, copies: int | None 
     cache = make_cache(cfg, m, context, 16, dt, dev, tp_size=model.tp.size)
     blocks = fill_context(cache, m, context, seed=m)
     md = build_metadata([1] * m, [context] * m, m, list(range(m)), blocks, cache.block_size, dev)
-    calls, per = [], 0
+    calls, total = [], 0
     for attn in layers:
         x = torch.randn(m, cfg.hidden_size, generator=gen, device=dev).to(dt)
         stage, c = DsaStage(attn, dt), cache.dsa[attn.layer_idx]
         pools = (context + 1) // attn.kpool
         rows = min(pools, stage.weights.topk_pools) * attn.kpool + attn.kpool - 1
-        per = (_nbytes(stage.weights.w_uk, stage.weights.w_uv_t)
-               + m * (pools * c.pooled_key.shape[-1] + rows * c.latent.shape[-1]) * c.latent.element_size())
+        total += (_nbytes(stage.weights.w_uk, stage.weights.w_uv_t)
+                  + m * (pools * c.pooled_key.shape[-1] + rows * c.latent.shape[-1]) * c.latent.element_size())
         calls.append((attn, stage, attn.project(x), c))
-    copies = min(8, _copies(per * len(calls))) if copies is None else copies
+    per = total // max(len(calls), 1)
+    copies = min(8, _copies(total)) if copies is None else copies
     calls += [(attn, DsaStage(attn, dt), p, c) for _ in range(copies - 1) for attn, _, p, c in calls[: len(layers)]]
     runs = {"sparse": lambda: [stage(p, md, c)[0] for _, stage, p, c in calls],
             STOCK: lambda: [attn.attention(p, md, c)[0] for attn, _, p, c in calls]}

@@ -28,7 +28,6 @@ from .cache import allocate_cache
 from .cache_plan import plan_cache
 from .detokenizer import IncrementalDetokenizer
 from .engine_args import EngineArgs
-from .host_times import HostTimes
 from .draft_graph import DraftGraphs
 from .driver import DrivenRunner, follow
 from .runner import Runner, check_capture_sizes
@@ -180,10 +179,9 @@ class LLMEngine:
         self._live: dict[str, _Live] = {}
         self.stats = {"steps": 0, "graph_steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "preemptions": 0,
                       "verify_rows": 0, "drafted": 0, "accepted": 0, "accepted_at": [0] * k}
-        self.host_times = HostTimes()
-        """Host time of plain steps by part (`HostTimes`); the runner charges `inputs` and `launch`."""
-        if isinstance(self.runner, Runner):
-            self.runner.host_times = self.host_times
+        self.host_times = self.runner.host_times
+        """Host time of plain steps by part (`HostTimes`): the runner's, which charges `inputs` (a tensor-parallel
+        driver's broadcast included) and `launch`; the step loop the rest."""
 
     @classmethod
     def from_model(cls, model: Glm5NextModel, tokenizer: Tokenizer | None = None, **kwargs) -> "LLMEngine":
@@ -300,8 +298,6 @@ class LLMEngine:
         times.lap("schedule")
         replays = self.runner.num_replays
         logits = self.runner.execute(items, len(out.decodes))
-        if getattr(self.runner, "host_times", None) is not times:  # a runner that does not split its time
-            times.lap("launch")
         self.stats["graph_steps"] += self.runner.num_replays - replays
         self.stats["steps"] += 1
         rows = [i for i, (r, n) in enumerate(out.scheduled) if r.num_computed + n == len(r.token_ids)]

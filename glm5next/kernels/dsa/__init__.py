@@ -111,6 +111,14 @@ class DsaPlan:
         return dict(self.__dict__)
 
 
+def _fp32_products(*operands: torch.Tensor) -> bool:
+    """Whether a launch multiplies in fp32 (IEEE): always off the GPU (the interpreter's 16-bit tensor-core
+    products are wrong; widened first they are exact, as on the GPU), else unless its operands share one
+    16-bit type."""
+    dtypes = {t.dtype for t in operands}
+    return operands[0].device.type != "cuda" or not (dtypes <= {torch.bfloat16} or dtypes <= {torch.float16})
+
+
 def _pow2(n: int, least: int = 16) -> int:
     return max(least, triton.next_power_of_2(max(1, n)))
 
@@ -231,14 +239,11 @@ def indexer_inputs(x: torch.Tensor, ki: torch.Tensor, w: IndexerInputWeights, sc
     splits = triton.cdiv(k, block_k)
     part = scratch.get("inputs_part", (splits, t, c), torch.float32, dev)
     tickets = scratch.get("inputs_tickets", (ncb,), torch.int32, dev, zero=True)
-    # 16-bit tensor-core products on a GPU; fp32 ones otherwise (the interpreter multiplies 16-bit floats
-    # only once widened).
-    ieee = not (on_gpu and x.dtype == w.weight.dtype and x.dtype in (torch.bfloat16, torch.float16))
     indexer_inputs_kernel[(ncb + 1, splits)](
         x, w.weight, ki, w.norm_weight, w.norm_bias, part, tickets, wi, gi, ko,
         t, k, x.stride(0), ki.stride(0), wi.stride(0), gi.stride(0), ko.stride(0), w.scale, w.eps,
         HI=w.heads, G=w.gate_width, D=d, S=splits, NCB=ncb, BLOCK_T=_pow2(min(t, 64)), BLOCK_C=block_c,
-        BLOCK_K=block_k, DP=_pow2(d), IEEE=ieee, num_warps=4)
+        BLOCK_K=block_k, DP=_pow2(d), IEEE=_fp32_products(x, w.weight), num_warps=4)
     return wi, gi, ko
 
 
@@ -266,7 +271,7 @@ def index_scores(qi: torch.Tensor, wi: torch.Tensor, positions: torch.Tensor, sl
         qi, wi, positions, slots, token_to_seq, block_tables, pooled_key, out,
         qi.stride(0), qi.stride(1), wi.stride(0), block_tables.stride(0), out.stride(0), n_pools, hi, d, scale,
         plan.score_splits, KP=kpool, PER_BLOCK=per_block, HP=_pow2(hi), DP=_pow2(d), BLOCK_P=plan.block_p,
-        IEEE=pooled_key.dtype == torch.float32 or pooled_key.device.type != "cuda", num_warps=plan.num_warps)
+        IEEE=_fp32_products(pooled_key), num_warps=plan.num_warps)
     return out
 
 
@@ -343,7 +348,7 @@ def sparse_attention(q: torch.Tensor, selection: torch.Tensor, count: torch.Tens
     scratch = scratch or DsaScratch()
     dev = q.device
     splits = plan.kv_splits
-    ieee = latent.dtype == torch.float32 or latent.device.type != "cuda"  # the interpreter widens 16-bit first
+    ieee = _fp32_products(latent)
     qlat = scratch.get("qlat", (t, h, r), latent.dtype, dev)
     head_product_kernel[(h, triton.cdiv(r, plan.block_r))](  # absorb: q @ W_UK
         q, q.stride(0), q.stride(1), slots, w.w_uk, qlat, t, h, n, r,
