@@ -5,7 +5,8 @@ their sum), and the kernels grouped by family (`profile_step.FAMILIES`) from `to
 
     python benchmarks/profile_prefill.py [--tokens 8192] [--requests 1] [--chunk 2048] [--out prefill.json]
 
-Reports prompt tokens/s for the whole prefill and each sublayer kind's share of it.
+Reports prompt tokens/s for the whole prefill, each sublayer kind's share of it and the kernels that take
+the most time.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from glm5next.bench.slice import build_slice_model, make_cache, slice_config
 from glm5next.runtime.runner import Runner
-from profile_step import family
+from profile_step import family, short_name
 
 
 def sublayer_timers(model):
@@ -65,6 +66,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--requests", type=int, default=1)
     ap.add_argument("--chunk", type=int, default=2048, help="tokens a step (the engine's default budget)")
+    ap.add_argument("--top", type=int, default=30, help="kernels listed by total time")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -92,16 +94,20 @@ def main() -> None:
         prefill(runner, prompts, blocks, args.chunk)
         torch.cuda.synchronize()
     fams: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    names: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
-            fams[family(ev.name)][0] += ev.device_time_total / 1e6
-            fams[family(ev.name)][1] += 1
+            for table, key in ((fams, family(ev.name)), (names, ev.name)):
+                table[key][0] += ev.device_time_total / 1e6
+                table[key][1] += 1
+    top = sorted(names.items(), key=lambda kv: -kv[1][0])[: args.top]
     tokens = args.tokens * args.requests
     result = {"gpu": torch.cuda.get_device_name(dev), "date": time.strftime("%Y-%m-%d"), "tokens": args.tokens,
               "requests": args.requests, "chunk": args.chunk, "seconds": seconds, "tokens_per_s": tokens / seconds,
               "sublayers_s": dict(by_kind), "rest_s": seconds - sum(by_kind.values()),
               "families_s": {k: v[0] for k, v in sorted(fams.items(), key=lambda kv: -kv[1][0])},
-              "launches": {k: v[1] for k, v in fams.items()}}
+              "launches": {k: v[1] for k, v in fams.items()},
+              "top_kernels": [{"name": k, "s": v[0], "launches": v[1]} for k, v in top]}
     print(f"{args.requests} x {args.tokens} tokens in chunks of {args.chunk}: {seconds:.3f} s, "
           f"{tokens / seconds:.0f} tokens/s")
     for kind, s in sorted(by_kind.items(), key=lambda kv: -kv[1]):
@@ -109,6 +115,8 @@ def main() -> None:
     print(f"    {'rest (boundaries, head)':22s} {result['rest_s'] * 1e3:9.1f} ms {100 * result['rest_s'] / seconds:5.1f} %")
     for k, s in result["families_s"].items():
         print(f"      {k:22s} {s * 1e3:9.1f} ms {result['launches'][k]:7d} launches")
+    for k, (s, n) in top:
+        print(f"        {short_name(k)[:60]:60s} {s * 1e3:9.1f} ms {n:7d}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -392,3 +392,35 @@ def test_prefill_matches_transformers(dtype, tol, monkeypatch):
         want = ref(x[None])[0]
     assert out.dtype == want.dtype == dtype
     assert rel_err(out, want) <= tol
+
+
+# ---------------------------------------------------------------- CUDA prefill (bf16 through the fused chunked kernel)
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_prefill_then_decode_matches_decoding_from_the_start_in_bf16():
+    """Over 2048 tokens on a bf16 layer at the model's head width: prefill chunks (a fresh one, a
+    one-token one, a continuation) through the fused chunked kernel, then decode, against decoding every
+    token from the start (the stock decode step): outputs and state within the bf16 bar."""
+    dev = torch.device("cuda")
+    layer = make_layer(make_config(heads=4, head_dim=128, hidden=256), dtype=torch.bfloat16, seed=5).to(dev)
+    x = inputs(2048, hidden=256, seed=5, dtype=torch.bfloat16).to(dev)
+
+    def step(x, state, context, decode):
+        md = build_metadata([x.shape[0]], [context], int(decode), [0], [[0]], 4096, dev)
+        with torch.no_grad():
+            return layer(x, md, state)
+
+    def fresh_state():
+        s = new_state(layer, 1, dtype=torch.bfloat16, fill=float("nan"))
+        return KdaState(conv=s.conv.to(dev), recurrent=s.recurrent.to(dev))
+
+    want_state = fresh_state()
+    want = torch.cat([step(x[t : t + 1], want_state, t, True) for t in range(2048)])
+    state, outs, done = fresh_state(), [], 0
+    for n in (1500, 1, 500):
+        outs.append(step(x[done : done + n], state, done, False))
+        done += n
+    outs += [step(x[t : t + 1], state, t, True) for t in range(done, 2048)]
+    assert rel_err(torch.cat(outs), want) <= 2e-2
+    assert rel_err(state.recurrent[0], want_state.recurrent[0]) <= 2e-2
+    assert torch.equal(state.conv[0], want_state.conv[0])

@@ -289,7 +289,7 @@ def test_stage_equals_stock_attention(tiny_fp32, monkeypatch, rows, q, contexts,
     real = indexer_module.top_pools
     monkeypatch.setattr(indexer_module, "top_pools", lambda s, v, k: seen.append((s.clone(), v)) or real(s, v, k))
     stock_cache = copy.deepcopy(cache)
-    want, want_sel = attn.attention(p, md, stock_cache, return_selection=True)
+    want, want_sel = attn.attention(p, md, stock_cache, return_selection=True, graph_safe=True)
     stage = DsaStage(attn, torch.float32)
     got, got_sel = stage(p, md, cache, return_selection=True)
     live = [i for i in range(rows * q) if md.slot_mapping[i] >= 0]
@@ -311,8 +311,49 @@ def test_stage_equals_stock_attention(tiny_fp32, monkeypatch, rows, q, contexts,
             assert got_sel[i].tolist() == list(range(k)), i
     # A reused selection (an MTP draft step's) attends the same pools as the stock module does with it.
     again, again_sel = stage(p, md, cache, selection=want_sel, return_selection=True)
-    stock_again, _ = attn.attention(p, md, stock_cache, selection=want_sel)
+    stock_again, _ = attn.attention(p, md, stock_cache, selection=want_sel, graph_safe=True)
     assert rel(again[live], stock_again[live]) < 1e-4 and torch.equal(again_sel, want_sel)
+
+
+@pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a GPU")])])
+def test_kernels_equal_stock_attention_on_a_prefill_step(tiny_fp32, monkeypatch, dev):
+    """`attention_on_kernels` (what an eager step runs on a GPU over a 16-bit cache) on a mixed step — a
+    decode row, a fresh prompt and a continuation past the point where pools are dropped — cut into
+    pieces of rows, against the stock attention: values within 1e-4 (bf16 on the GPU, where the eager
+    `attention` itself takes the kernels: 2e-2), the same selected pools, the same cache writes (the
+    pools completed inside the step pooled from the step's own keys)."""
+    dtype = torch.float32 if dev == "cpu" else torch.bfloat16
+    attn = copy.deepcopy(tiny_fp32.layers[3].self_attn).to(dev, dtype)
+    config = tiny_fp32.config
+    bs, g = 16, torch.Generator().manual_seed(5)
+    lens, contexts = [1, 23, 30], [90, 0, 70]
+    width = -(-(max(c + n for c, n in zip(contexts, lens))) // bs)
+    blocks = 3 * width + 1
+    r, d = config.kv_lora_rank, config.index_head_dim
+    cache = DsaCache(*(x.to(dev, dtype) for x in (
+        torch.randn(blocks + 1, bs, r, generator=g), torch.randn(blocks + 1, bs, d, generator=g),
+        torch.randn(blocks + 1, bs, d, generator=g), torch.randn(blocks + 1, bs // 4, d, generator=g) * 0.5)))
+    perm = torch.randperm(blocks, generator=g).tolist()
+    md = build_metadata(lens, contexts, 1, [0, 1, 2], [perm[i * width:(i + 1) * width] for i in range(3)], bs, dev,
+                        max_blocks=width)
+    with torch.no_grad():
+        p = attn.project(torch.randn(sum(lens), config.hidden_size, generator=g).to(dev, dtype))
+        stock_cache = copy.deepcopy(cache)
+        want, want_sel = attn.attention(p, md, stock_cache, return_selection=True, graph_safe=True)
+        monkeypatch.setattr("glm5next.model.dsa.PREFILL_CHUNK_ELEMS", 20 * width * bs // 4)  # pieces of 20 rows
+        if dev == "cpu":
+            got, got_sel = attn.attention_on_kernels(p, md, cache, DsaWeights.of(attn, dtype), DsaScratch(),
+                                                     return_selection=True)
+        else:
+            got, got_sel = attn.attention(p, md, cache, return_selection=True)
+    assert rel(got, want) < (1e-4 if dev == "cpu" else 2e-2)
+    for i in range(sum(lens)):
+        assert set(got_sel[i].tolist()) - {-1} == set(want_sel[i].tolist()) - {-1}, i
+    for a, b in zip((cache.latent, cache.index_key, cache.index_gate), (stock_cache.latent, stock_cache.index_key,
+                                                                        stock_cache.index_gate)):
+        assert torch.equal(a[:-1], b[:-1])
+    assert rel(cache.pooled_key[:-1], stock_cache.pooled_key[:-1]) < (1e-6 if dev == "cpu" else 1e-2)
 
 
 # ---------------------------------------------------------------- GPU, real shapes

@@ -9,7 +9,10 @@ import torch
 from glm5next.config import KDA_L2_EPS
 from glm5next.forward import AttnMetadata, KdaState
 from glm5next.kernels.kda import KdaWeights, kda_commit, kda_decode, kda_decode_reference, plan_kda
+from glm5next.kernels.kda.prefill import kda_prefill
+from glm5next.kernels.kda.reference import kda_prefill_reference
 from glm5next.model.kda import KdaProjections
+from glm5next.model.kda_recurrence import kda_chunked
 from glm5next.runtime.kda_commit import commit
 from glm5next.specialized_decode.kda import KdaStage
 
@@ -210,3 +213,49 @@ def test_graph_replays_and_commit_bit_for_bit():
         kda_decode(*(x.view(rows, q, -1)[:, j].contiguous() for x in p), c0, s0, index, w, 1, plan)
     torch.cuda.synchronize()
     assert torch.equal(s[index], s0[index]) and torch.equal(c[index], c0[index])
+
+
+# ---------------------------------------------------------------- prefill (several sequences in one launch)
+def test_prefill_reference_matches_the_stock_chunked_form():
+    g = torch.Generator().manual_seed(7)
+    h, d, lens = 3, 16, (1, 70, 5)
+    t = sum(lens)
+    q = torch.nn.functional.normalize(torch.randn(t, h, d, generator=g), dim=-1) * d**-0.5
+    k = torch.nn.functional.normalize(torch.randn(t, h, d, generator=g), dim=-1)
+    v, beta = torch.randn(t, h, d, generator=g), torch.rand(t, h, generator=g)
+    gate = -5.0 * torch.sigmoid(torch.randn(t, h, d, generator=g))
+    init = torch.randn(len(lens), h, d, d, generator=g) * 0.3
+    cu = torch.tensor([0, 1, 71, 76])
+    out, final = kda_prefill_reference(q, k, v, gate, beta, init, cu, -5.0)
+    for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        o, s = kda_chunked(q[a:b], k[a:b], v[a:b], gate[a:b], beta[a:b], init[i])
+        assert rel(out[a:b], o) < 1e-5 and rel(final[i], s) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+def test_prefill_real_shapes_bf16_against_fp32():
+    """Three sequences (one token, an odd length past a chunk, a longer one), two with a cached state, at
+    64 heads of 128, bf16 inputs: outputs and final states against the fp32 reference; bad shapes refused."""
+
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(3)
+    h, d, lens = 64, 128, (1, 77, 300)
+    t = sum(lens)
+    q = torch.nn.functional.normalize(torch.randn(t, h, d, generator=g, device=dev), dim=-1) * d**-0.5
+    k = torch.nn.functional.normalize(torch.randn(t, h, d, generator=g, device=dev), dim=-1)
+    v = torch.randn(t, h, d, generator=g, device=dev)
+    beta = torch.sigmoid(torch.randn(t, h, generator=g, device=dev))
+    gate = -5.0 * torch.sigmoid(torch.randn(t, h, d, generator=g, device=dev) * 3 - 3)
+    init = torch.randn(3, h, d, d, generator=g, device=dev) * 0.1
+    init[1] = 0
+    q, k, v, beta = (x.to(torch.bfloat16) for x in (q, k, v, beta))
+    cu = torch.tensor([0, 1, 78, 378], device=dev)
+    before = init.clone()
+    out, final = kda_prefill(q, k, v, gate, beta, init, cu, -5.0)
+    want_o, want_s = kda_prefill_reference(q, k, v, gate, beta, init, cu, -5.0)
+    assert out.dtype == torch.bfloat16 and out.shape == (t, h, d)
+    assert rel(out, want_o) < 2e-2 and rel(final, want_s) < 2e-2
+    assert torch.equal(init, before)
+    with pytest.raises(ValueError, match="initial state"):
+        kda_prefill(q, k, v, gate, beta, init[:2], cu, -5.0)

@@ -292,7 +292,7 @@ def dsa_case(model, m: int, context: int = DSA_CASE_CONTEXT, copies: int | None 
     copies = min(8, _copies(total)) if copies is None else copies
     calls += [(attn, DsaStage(attn, dt), p, c) for _ in range(copies - 1) for attn, _, p, c in calls[: len(layers)]]
     runs = {"sparse": lambda: [stage(p, md, c)[0] for _, stage, p, c in calls],
-            STOCK: lambda: [attn.attention(p, md, c)[0] for attn, _, p, c in calls]}
+            STOCK: lambda: [attn.attention(p, md, c, graph_safe=True)[0] for attn, _, p, c in calls]}
     return Case("dsa", m, per, runs, len(calls))
 
 

@@ -22,6 +22,9 @@ from torch import nn
 from ..checkpoint.specs import TensorSpec
 from ..config import Glm5NextConfig
 from ..forward import AttnMetadata, DsaCache
+from ..kernels.dsa import (DsaPlan, DsaScratch, DsaWeights, index_scores, plan_dsa, select_pools, sparse_attention,
+                           write_cache)
+from ..parallel.collectives import all_reduce
 from ..parallel.group import SINGLE, TensorParallel
 from ..parallel.layers import ColumnParallelLinear, Linear, RowParallelLinear
 from .indexer import Indexer
@@ -119,10 +122,16 @@ class SparseMLA(nn.Module):
         cache: DsaCache,
         selection: torch.Tensor | None = None,
         return_selection: bool = False,
+        graph_safe: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The attention's values `[T, H, v]` fp32 (heads outermost in memory, as the W_UV product leaves
         them), the o_proj's input once cast, of the step's projections `p`; writes the caches and pools.
-        `selection` / `return_selection` as in `forward`: the second result is the selection, or None."""
+        `selection` / `return_selection` as in `forward`: the second result is the selection, or None.
+        Eager steps over a 16-bit cache on a GPU (prefill, mixed steps) run on the DSA kernels
+        (`attention_on_kernels`); the others run the PyTorch form below."""
+        if not graph_safe and self.runs_kernels(cache):
+            return self.attention_on_kernels(p, md, cache, DsaWeights.of(self, cache.latent.dtype), DsaScratch(),
+                                             selection, return_selection)
         t = p.q.shape[0]
         dev = p.q.device
         self.write_cache(p, md, cache)
@@ -155,6 +164,62 @@ class SparseMLA(nn.Module):
                 attend_rows(lo, hi, tables)
         return torch.einsum("thr,hvr->thv", ctx, w_uv), chosen
 
+    @staticmethod
+    def runs_kernels(cache: DsaCache) -> bool:
+        """Whether an eager step's attention runs on the DSA kernels: a 16-bit cache on a GPU (an fp32 one
+        keeps the fp32 PyTorch form, the reference of the exactness tests)."""
+        return cache.latent.is_cuda and cache.latent.dtype in (torch.bfloat16, torch.float16)
+
+    def attention_on_kernels(self, p: DsaProjections, md: AttnMetadata, cache: DsaCache, w: DsaWeights,
+                             scratch: DsaScratch, selection: torch.Tensor | None = None,
+                             return_selection: bool = False,
+                             plan: DsaPlan | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`attention` on `glm5next.kernels.dsa`: the cache writes, the pool scores of every visible pool
+        (summed over the ranks' indexer heads), the top-k selection (ties to the lower pool; ascending
+        rather than best first) and the sparse latent attention with the value-up, every row with its own
+        position, sequence and causal selection. `w`: the layer's weights as the kernels read them;
+        `scratch`: where the launches keep their buffers (a captured step passes one it keeps); `plan`:
+        the launches' tiles (planned for the step's tokens without it). Padded rows get zero values."""
+        t, dev = p.q.shape[0], p.q.device
+        write_cache(p.c, p.ki, p.gi, md.positions, md.slot_mapping, md.token_to_seq, w.ape, cache.latent,
+                    cache.index_key, cache.index_gate, cache.pooled_key)
+        tables = md.block_tables
+        n_pools = tables.shape[1] * cache.pooled_key.shape[1]
+        values = torch.empty(t, w.num_heads, self.v_dim, dtype=torch.float32, device=dev)
+        sel = selection
+        if selection is None:
+            sel = torch.empty(t, w.topk_pools, dtype=torch.int64, device=dev) if plan is None else \
+                scratch.get("sel", (t, w.topk_pools), torch.int64, dev)
+        # Rows in pieces whose pool scores stay within the prefill budget (a decode step is one piece).
+        piece = t if plan is not None else max(1, PREFILL_CHUNK_ELEMS // n_pools)
+        for a in range(0, t, piece):
+            b = min(t, a + piece)
+            n = b - a
+            pos, slots, seqs = md.positions[a:b], md.slot_mapping[a:b], md.token_to_seq[a:b]
+            if plan is None or n != t:
+                sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
+                plan = plan_dsa(n, w.num_heads, n_pools, w.topk_pools, w.kpool, sms, on_gpu=dev.type == "cuda")
+            if selection is None:
+                scores = scratch.get("scores", (n, n_pools), torch.float32, dev)
+                index_scores(p.qi[a:b], p.wi[a:b], pos, slots, seqs, tables, cache.pooled_key, w.kpool,
+                             w.index_scale, plan, scores)
+                # Each rank scored with its own indexer heads: every rank ranks the same full sum.
+                scores = all_reduce(scores, self.indexer.tp)
+                count = scratch.get("count", (n,), torch.int32, dev)
+                select_pools(scores, pos, slots, w.kpool, w.topk_pools, plan, sel[a:b], count, scratch)
+            else:
+                count = scratch.get("count_given", (n,), torch.int32, dev).fill_(selection.shape[1])
+            sparse_attention(p.q[a:b], sel[a:b], count, pos, slots, seqs, tables, cache.latent, w, plan,
+                             out=values[a:b], scratch=scratch)
+        chosen = None
+        if return_selection:
+            if selection is None:
+                chosen = sel.clone()
+            else:
+                chosen = torch.full((t, w.topk_pools), -1, dtype=torch.int64, device=dev)
+                chosen[:, : selection.shape[1]] = selection[:, : w.topk_pools]
+        return values, chosen
+
     def output(self, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The sublayer output [T, hidden] `dtype` of the attention's values [T, H, v]: cast, then o_proj."""
         return self.o_proj(values.to(dtype).reshape(values.shape[0], self.num_heads * self.v_dim))
@@ -166,6 +231,7 @@ class SparseMLA(nn.Module):
         cache: DsaCache,
         selection: torch.Tensor | None = None,
         return_selection: bool = False,
+        graph_safe: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The sublayer output `[T, hidden]` (x's dtype) for normalised inputs `x` `[T, hidden]`:
         `output(attention(project(x)))`.
@@ -174,9 +240,9 @@ class SparseMLA(nn.Module):
         the indexer's top-k, e.g. an earlier step's selection reused by an MTP draft step (spec section 8,
         `index_share_for_mtp_iteration`); caches and pools are still written. With `return_selection`
         the result is `(output, selection)`, the selection `[T, index_topk / index_kpool]` int64 padded
-        with -1.
+        with -1. `graph_safe`: the step is being captured or replayed (static shapes; see `attention`).
         """
-        values, chosen = self.attention(self.project(x), md, cache, selection, return_selection)
+        values, chosen = self.attention(self.project(x), md, cache, selection, return_selection, graph_safe)
         out = self.output(values, x.dtype)
         return (out, chosen) if return_selection else out
 

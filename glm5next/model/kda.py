@@ -25,6 +25,7 @@ from torch import nn
 from ..checkpoint.specs import TensorSpec, set_param
 from ..config import KDA_L2_EPS, Glm5NextConfig
 from ..forward import AttnMetadata, KdaState
+from ..kernels.kda.prefill import kda_prefill
 from ..parallel.group import SINGLE, TensorParallel
 from ..parallel.layers import ColumnParallelLinear, Linear, RowParallelLinear
 from .kda_recurrence import kda_chunked, kda_step
@@ -174,12 +175,9 @@ class KimiDeltaAttention(nn.Module):
             else:
                 nt = nd * q_per
                 parts.append(self._verify(mixed[:nt], decay[:nt], beta[:nt], slots, state, q_per))
-        starts = md.query_start_loc_cpu
-        for s in range(nd, nd + md.num_prefills):
-            a, b = starts[s], starts[s + 1]
-            slot = state.slots(md.state_indices[s : s + 1])
-            fresh = md.context_lens_cpu[s] == 0
-            parts.append(self._prefill(mixed[a:b], decay[a:b], beta[a:b], slot, fresh, state))
+        if md.num_prefills:
+            a, b = md.query_start_loc_cpu[nd], md.query_start_loc_cpu[nd + md.num_prefills]
+            parts.append(self._prefill(mixed[a:b], decay[a:b], beta[a:b], md, state))
         core = torch.cat(parts).to(p.q.dtype)  # [T, H, V]
         y = gated_rms_norm(core, p.g.view_as(core), self.o_norm_weight, self.norm_eps)
         return y.reshape(core.shape[0], -1)
@@ -235,34 +233,48 @@ class KimiDeltaAttention(nn.Module):
         return torch.stack(outs, 1).reshape(n * q, *outs[0].shape[1:])
 
     def _prefill(
-        self,
-        mixed: torch.Tensor,
-        decay: torch.Tensor,
-        beta: torch.Tensor,
-        slot: torch.Tensor,
-        fresh: bool,
-        state: KdaState,
+        self, mixed: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor, md: AttnMetadata, state: KdaState
     ) -> torch.Tensor:
-        """Delta-rule outputs [L, H, V] fp32 of one prefill chunk; eager.
+        """Delta-rule outputs [L, H, V] of the step's prefill chunks, laid end to end; eager.
 
-        mixed: [L, 3HK] pre-conv rows; decay: [L, H, K] fp32; beta: [L, H] fp32;
-        slot: [1] int64 state slot; fresh: whether the sequence has no cached
-        tokens (then the slot's old contents are ignored).
+        mixed: [L, 3HK] pre-conv rows; decay: [L, H, K] fp32; beta: [L, H] fp32. A sequence with no cached
+        tokens starts from zeros (its slot's old contents are ignored), any other from its slot. On CUDA in
+        16 bits the delta rule of every chunk runs in one fused launch (`kernels.kda.prefill`, outputs in
+        the model dtype); otherwise each chunk runs the fp32 chunked form.
         """
         keep = self.conv_kernel - 1
-        if fresh:
-            history = state.conv.new_zeros(1, mixed.shape[1], keep)
-            initial = state.recurrent.new_zeros(state.recurrent.shape[1:])
+        nd, n = md.num_decodes, md.num_prefills
+        starts = md.query_start_loc_cpu
+        base = starts[nd]
+        acts, slots, fresh = [], [], []
+        for s in range(nd, nd + n):
+            a, b = starts[s] - base, starts[s + 1] - base
+            slot = state.slots(md.state_indices[s : s + 1])
+            fresh.append(bool(md.context_lens_cpu[s] == 0))
+            history = state.conv.new_zeros(1, mixed.shape[1], keep) if fresh[-1] else state.conv[slot]
+            window = torch.cat([history, mixed[a:b].t().unsqueeze(0).to(history.dtype)], dim=-1)  # [1, 3HK, keep+L]
+            acts.append(self.conv_silu(window, mixed.dtype)[0].t())  # [L, 3HK]
+            # The last `keep` pre-conv rows; for a chunk shorter than `keep` some come from the old window.
+            state.conv.index_copy_(0, slot, window[..., window.shape[-1] - keep :])
+            slots.append(slot)
+        q, k, v = self.heads(torch.cat(acts))
+        slot_ids = torch.cat(slots)
+        initial = state.recurrent[slot_ids]
+        for i, f in enumerate(fresh):
+            if f:
+                initial[i].zero_()
+        if mixed.is_cuda and mixed.dtype != torch.float32:
+            cu = torch.tensor([x - base for x in starts[nd : nd + n + 1]], dtype=torch.int64).to(mixed.device)
+            out, final = kda_prefill(q, k, v, decay, beta, initial, cu, self.lower_bound, mixed.dtype)
         else:
-            history = state.conv[slot]
-            initial = state.recurrent[slot][0]
-        window = torch.cat([history, mixed.t().unsqueeze(0).to(history.dtype)], dim=-1)  # [1, 3HK, keep + L]
-        act = self.conv_silu(window, mixed.dtype)[0].t()  # [L, 3HK]
-        # The last `keep` pre-conv rows; for a chunk shorter than `keep` some come from the old window.
-        state.conv.index_copy_(0, slot, window[..., window.shape[-1] - keep :])
-        q, k, v = self.heads(act)
-        out, final = kda_chunked(q, k, v, decay, beta, initial)
-        state.recurrent.index_copy_(0, slot, final.unsqueeze(0))
+            outs, finals = [], []
+            for i in range(n):
+                a, b = starts[nd + i] - base, starts[nd + i + 1] - base
+                o, f = kda_chunked(q[a:b], k[a:b], v[a:b], decay[a:b], beta[a:b], initial[i])
+                outs.append(o)
+                finals.append(f)
+            out, final = torch.cat(outs), torch.stack(finals)
+        state.recurrent.index_copy_(0, slot_ids, final)
         return out
 
     def extra_repr(self) -> str:

@@ -44,7 +44,8 @@ class DecoderLayer(nn.Module):
         """The attention sublayer's output [T, D] for its normalised input `x` [T, D]."""
         md = ctx.metadata(self.self_attn.prefix)
         if self.layer_kind == DSA:
-            return self.self_attn(x, md, cache.dsa[self.layer_idx])
+            return self.self_attn(x, md, cache.dsa[self.layer_idx],
+                                  graph_safe=ctx.cudagraph_mode != CUDAGraphMode.NONE)
         return self.self_attn(x, md, cache.kda[self.layer_idx])
 
     def ffn(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

@@ -50,10 +50,11 @@ class MtpLayer(nn.Module):
         """
         md = ctx.metadata(self.self_attn.prefix)
         z = self.combine(embedded, hidden, md.positions)
-        a = self.self_attn(self.input_layernorm(z), md, cache.dsa[self.layer_idx], selection, return_selection)
+        graph_safe = ctx.cudagraph_mode != CUDAGraphMode.NONE
+        a = self.self_attn(self.input_layernorm(z), md, cache.dsa[self.layer_idx], selection, return_selection,
+                           graph_safe)
         a, chosen = a if return_selection else (a, None)
         r = a + z
-        graph_safe = ctx.cudagraph_mode != CUDAGraphMode.NONE
         f = self.mlp(self.post_attention_layernorm(r), graph_safe=graph_safe)
         out = self.shared_head_norm(f + r)
         return (out, chosen) if return_selection else out

@@ -297,7 +297,8 @@ class DraftStages(LayerStages):
         if projections or self.sparse(mtp.self_attn, md, tokens) is not None:
             a, chosen = self.dsa_attention(mtp.self_attn, x, md, dsa_cache, selection, return_selection, projections)
         else:
-            a = mtp.self_attn(x, md, dsa_cache, selection, return_selection)
+            a = mtp.self_attn(x, md, dsa_cache, selection, return_selection,
+                              ctx.cudagraph_mode != CUDAGraphMode.NONE)
             a, chosen = a if return_selection else (a, None)
         r = a + z
         x = mtp.post_attention_layernorm(r)

@@ -28,7 +28,8 @@ __all__ = ["DsaPlan", "DsaScratch", "DsaWeights", "IndexerInputWeights", "dsa_de
 @dataclass(frozen=True)
 class DsaWeights:
     """One DSA layer's attention constants as the kernels read them, prepared once: `W_UK` [H, nope, R]
-    and `W_UV^T` [H, R, v] (contiguous, in the model dtype), the softmax scales and the pool sizes."""
+    and `W_UV^T` [H, R, v] (contiguous, in the model dtype), the softmax scales, the pool sizes and the
+    pools' position embedding."""
 
     w_uk: torch.Tensor
     w_uv_t: torch.Tensor
@@ -38,6 +39,8 @@ class DsaWeights:
     """The MLA softmax scale."""
     index_scale: float
     """The indexer's dot scale (inside its ReLU)."""
+    ape: torch.Tensor | None = None
+    """The KPool compression's position embedding [kpool, d] fp32 (what `write_cache` pools keys with)."""
 
     @property
     def num_heads(self) -> int:
@@ -49,7 +52,8 @@ class DsaWeights:
         to `dtype` once."""
         w_uk, w_uv = attn.absorbed_weights()
         return cls(w_uk.to(dtype).contiguous(), w_uv.transpose(1, 2).to(dtype).contiguous(), attn.kpool,
-                   attn.indexer.topk_pools, float(attn.scale), float(attn.indexer.softmax_scale))
+                   attn.indexer.topk_pools, float(attn.scale), float(attn.indexer.softmax_scale),
+                   attn.indexer.index_kpool_compress_ape.float().contiguous())
 
 
 @dataclass(frozen=True)

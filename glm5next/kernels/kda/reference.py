@@ -58,3 +58,23 @@ def kda_decode_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: t
             conv[slot] = torch.cat([conv[slot], pre], dim=-1)[:, -keep:]
             state[slot] = s
     return out
+
+
+def kda_prefill_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                          initial: torch.Tensor, cu_seqlens: torch.Tensor, lower_bound: float,
+                          dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """See `glm5next.kernels.kda.prefill.kda_prefill`: per sequence, per token, the fp32 delta rule
+    (decay the state per key row by exp(g), learn v at k with strength beta, read it at q); the outputs in
+    `dtype`, the final states fp32. `lower_bound` is the gate's bound (the inputs already respect it)."""
+    del lower_bound
+    outs, finals = [], []
+    starts = [int(x) for x in cu_seqlens]
+    for i in range(len(starts) - 1):
+        s = initial[i].float().clone()
+        for t in range(starts[i], starts[i + 1]):
+            s = s * g[t].float().exp()[..., None]
+            delta = beta[t].float()[:, None] * (v[t].float() - (s * k[t].float()[..., None]).sum(-2))
+            s = s + k[t].float()[..., None] * delta[:, None, :]
+            outs.append((s * q[t].float()[..., None]).sum(-2))
+        finals.append(s)
+    return torch.stack(outs).to(dtype), torch.stack(finals)
