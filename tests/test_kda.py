@@ -415,6 +415,8 @@ def test_cuda_prefill_then_decode_matches_decoding_from_the_start_in_bf16():
         return KdaState(conv=s.conv.to(dev), recurrent=s.recurrent.to(dev))
 
     want_state = fresh_state()
+    want_state.conv.zero_()  # decoding from the start: an empty history
+    want_state.recurrent.zero_()
     want = torch.cat([step(x[t : t + 1], want_state, t, True) for t in range(2048)])
     state, outs, done = fresh_state(), [], 0
     for n in (1500, 1, 500):
