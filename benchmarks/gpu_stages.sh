@@ -2,8 +2,8 @@
 # The stages on a GPU in device calls of under 10 minutes each. PART=1: the stages' GPU tests, the planned
 # step profiles at 8K and 128K (the shipped policy), the KDA stage against fla. PART=2: the MoE and DSA
 # stages against their floors and the stock modules, the KDA chunked forms against fla's chunk_kda, the
-# executor's GPU tests with every stage on. PART=3: prefill (the slice's 8192-token prompt by sublayer and
-# kernel family) and the engine end to end (steady decode against the captured step, host time, prefill
+# executor's GPU tests with every stage on. PART=3: prefill (its GPU tests, the slice's 8192-token prompt by
+# sublayer and kernel, the MoE prefill plans) and the engine end to end (steady decode against the captured step, host time, prefill
 # of 1K / 8K / 32K prompts alone and 8 together).
 # A fresh machine compiles every kernel first: the first part run there needs the longest limits. Logs
 # gather in $OUT/run.log (few files come back per call). fla travels as a wheel in .whl/ (see the device
@@ -17,7 +17,9 @@ run() { local name=$1 limit=$2 t0=$SECONDS; shift 2; timeout -s INT "$limit" "$@
   { echo "=== $name: rc=$rc in $((SECONDS - t0)) s"; grep -v "_warn_once\|UserWarning" "/tmp/$name.log"; } >> "$OUT/run.log"; echo "$name: rc=$rc in $((SECONDS - t0)) s"; tail -n ${TAIL:-14} "/tmp/$name.log"; }
 [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=.:/tmp/site
 if [ "${PART:-1}" = 3 ]; then
-run prefill 120 python benchmarks/profile_prefill.py --tokens 8192 --out "$OUT/prefill.json"
+run prefill-tests 150 python -m pytest -q -m gpu tests/test_kda.py tests/test_kernels_kda.py tests/test_kernels_dsa.py -k prefill
+run prefill 150 python benchmarks/profile_prefill.py --tokens 8192 --out "$OUT/prefill.json"
+run moe-prefill 120 python benchmarks/moe_prefill.py --out "$OUT/moe-prefill.json"
 run e2e 400 python -m glm5next.bench.cli --mode specialized --tokens 1,4,16,64 --concurrency 1,4,16,64 \
   --skip-eager --skip-graph --out "$OUT/e2e.json"
 elif [ "${PART:-1}" = 1 ]; then
