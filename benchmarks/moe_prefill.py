@@ -4,7 +4,7 @@ FLOPs and `torch._grouped_mm` over bf16 copies of the experts, for several launc
 
     python benchmarks/moe_prefill.py [--tokens 2048,8192] [--no-peer] [--out moe-prefill.json]
 
-Times are medians of CUDA events over eager calls (prefill is not captured); the router is not timed
+Times are medians of 7 CUDA-event timings of eager calls (prefill is not captured); the router is not timed
 (its choice is made once per token count). FLOPs: tokens x (top-k + 1) x 3 products of 2 x D x I.
 Accuracy: each plan's output against the production plan's, relative to its largest value.
 """
@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import torch
 
 from glm5next.bench.slice import build_slice_model, slice_config
 from glm5next.kernels.moe import MAX_TOKENS, ExpertWeights, MoePlan, moe_prefill, prefill_plan
+from kda_prefill import log, median_ms
 from moe_stage import GroupedMmPeer
 
 PLANS = {  # name: (block_m, gate_up_block_n, down_block_n, block_k, warps, stages)
@@ -32,24 +32,6 @@ PLANS = {  # name: (block_m, gate_up_block_n, down_block_n, block_k, warps, stag
     "m64 n128/128 k64 w4 s4": (64, 128, 128, 64, 4, 4),
     "m128 n64/64 k128 w4 s3": (128, 64, 64, 128, 4, 3),
 }
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def median_ms(fn, reps: int = 7) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -80,14 +62,14 @@ def main() -> None:
         b1 = torch.randn(d, 2 * inter, device=dev, dtype=torch.bfloat16)
         b2 = torch.randn(inter, d, device=dev, dtype=torch.bfloat16)
         h = torch.empty(t * (k + 1), inter, device=dev, dtype=torch.bfloat16)
-        cublas_ms = median_ms(lambda: (torch.matmul(a, b1), torch.matmul(h, b2)))
+        cublas_ms = median_ms(lambda: (torch.matmul(a, b1), torch.matmul(h, b2)), 7)
         row = {"tokens": t, "tflop": flops / 1e12, "cublas_bf16_ms": cublas_ms, "plans": {}}
         want = moe_prefill(x, ids, weights, w, limit, production)
         den = want.float().abs().max()
         for name, (bm, gn, dn, bk, warps, stages) in PLANS.items():
             plan = MoePlan(MAX_TOKENS, 32, 1, 64, bm, gn, dn, bk, warps, stages, 1024)
             try:
-                ms = median_ms(lambda: moe_prefill(x, ids, weights, w, limit, plan))
+                ms = median_ms(lambda: moe_prefill(x, ids, weights, w, limit, plan), 7)
                 err = float((moe_prefill(x, ids, weights, w, limit, plan).float() - want.float()).abs().max() / den)
                 row["plans"][name] = {"ms": ms, "of_cublas": cublas_ms / ms, "err": err}
                 log(f"T={t} {name}: {ms:.2f} ms, {cublas_ms / ms:.2f} of cuBLAS ({cublas_ms:.2f} ms), err {err:.1e}")
@@ -96,7 +78,7 @@ def main() -> None:
                 log(f"T={t} {name}: {row['plans'][name]['error']}")
         if peer is not None:
             with torch.no_grad():
-                row["grouped_mm_ms"] = median_ms(lambda: peer(x))
+                row["grouped_mm_ms"] = median_ms(lambda: peer(x), 7)
             log(f"T={t} grouped_mm peer (router included): {row['grouped_mm_ms']:.2f} ms")
         result["rows"].append(row)
     if args.out:

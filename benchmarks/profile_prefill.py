@@ -107,7 +107,7 @@ def main() -> None:
               "sublayers_s": dict(by_kind), "rest_s": seconds - sum(by_kind.values()),
               "families_s": {k: v[0] for k, v in sorted(fams.items(), key=lambda kv: -kv[1][0])},
               "launches": {k: v[1] for k, v in fams.items()},
-              "top_kernels": [{"name": k, "s": v[0], "launches": v[1]} for k, v in top]}
+              "top_kernels": [{"name": short_name(k), "s": v[0], "launches": v[1]} for k, v in top]}
     print(f"{args.requests} x {args.tokens} tokens in chunks of {args.chunk}: {seconds:.3f} s, "
           f"{tokens / seconds:.0f} tokens/s")
     for kind, s in sorted(by_kind.items(), key=lambda kv: -kv[1]):

@@ -186,30 +186,27 @@ class SparseMLA(nn.Module):
         tables = md.block_tables
         n_pools = tables.shape[1] * cache.pooled_key.shape[1]
         values = torch.empty(t, w.num_heads, self.v_dim, dtype=torch.float32, device=dev)
-        sel = selection
-        if selection is None:
-            sel = torch.empty(t, w.topk_pools, dtype=torch.int64, device=dev) if plan is None else \
-                scratch.get("sel", (t, w.topk_pools), torch.int64, dev)
-        # Rows in pieces whose pool scores stay within the prefill budget (a decode step is one piece).
+        sel = scratch.get("sel", (t, w.topk_pools), torch.int64, dev) if selection is None else selection
+        # Without a plan (eager steps), rows in pieces whose pool scores stay within the prefill budget, each
+        # planned for its rows; with one (a decode or verify step), one piece of every row.
         piece = t if plan is not None else max(1, PREFILL_CHUNK_ELEMS // n_pools)
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
         for a in range(0, t, piece):
             b = min(t, a + piece)
             n = b - a
             pos, slots, seqs = md.positions[a:b], md.slot_mapping[a:b], md.token_to_seq[a:b]
-            if plan is None or n != t:
-                sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
-                plan = plan_dsa(n, w.num_heads, n_pools, w.topk_pools, w.kpool, sms, on_gpu=dev.type == "cuda")
+            tiles = plan or plan_dsa(n, w.num_heads, n_pools, w.topk_pools, w.kpool, sms, on_gpu=dev.type == "cuda")
             if selection is None:
                 scores = scratch.get("scores", (n, n_pools), torch.float32, dev)
                 index_scores(p.qi[a:b], p.wi[a:b], pos, slots, seqs, tables, cache.pooled_key, w.kpool,
-                             w.index_scale, plan, scores)
+                             w.index_scale, tiles, scores)
                 # Each rank scored with its own indexer heads: every rank ranks the same full sum.
                 scores = all_reduce(scores, self.indexer.tp)
                 count = scratch.get("count", (n,), torch.int32, dev)
-                select_pools(scores, pos, slots, w.kpool, w.topk_pools, plan, sel[a:b], count, scratch)
+                select_pools(scores, pos, slots, w.kpool, w.topk_pools, tiles, sel[a:b], count, scratch)
             else:
                 count = scratch.get("count_given", (n,), torch.int32, dev).fill_(selection.shape[1])
-            sparse_attention(p.q[a:b], sel[a:b], count, pos, slots, seqs, tables, cache.latent, w, plan,
+            sparse_attention(p.q[a:b], sel[a:b], count, pos, slots, seqs, tables, cache.latent, w, tiles,
                              out=values[a:b], scratch=scratch)
         chosen = None
         if return_selection:
