@@ -48,6 +48,31 @@ def test_chunked_prefill_equals_one_shot(tiny_fp32, chunk):
     assert torch.allclose(one, chunked, rtol=1e-4, atol=1e-4 * one.abs().max())
 
 
+def test_fused_boundaries_equal_the_stock_layers(tiny_fp32):
+    """`forward_fused` (the mHC on the boundary kernels: what an eager 16-bit step on a GPU runs) on a mixed
+    step — a decode row and two prompts — equals `forward_stock` and writes the same caches."""
+    model = tiny_fp32
+    lens, contexts = [1, 17, 30], [12, 0, 0]
+    runs = []
+    for forward in (model.forward_stock, model.forward_fused):
+        cache = allocate_cache(model.config, 24, 8, 4, torch.float32, "cpu")
+        r = Runner(model, cache)
+        md = build_metadata(lens, contexts, 1, [0, 1, 2], [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]], 8, "cpu")
+        ctx = ForwardContext({p: md for p in r.prefixes}, md.positions, CUDAGraphMode.NONE)
+        ids = torch.randint(0, 256, (sum(lens),), generator=torch.Generator().manual_seed(8))
+        with torch.no_grad():
+            runs.append((forward(model.embed(ids), ctx, cache), cache))
+    (want, want_cache), (got, got_cache) = runs
+    assert not model.runs_fused_boundaries(want, ctx)  # the CPU's eager steps stay on the stock layers
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * want.abs().max())
+    for i, b in want_cache.kda.items():
+        a = got_cache.kda[i]
+        assert torch.allclose(a.recurrent, b.recurrent, rtol=1e-4, atol=1e-4 * b.recurrent.abs().max())
+    for i, b in want_cache.dsa.items():
+        a = got_cache.dsa[i]
+        assert torch.allclose(a.latent, b.latent, rtol=1e-4, atol=1e-4 * b.latent.abs().max())
+
+
 def test_mixed_batch_equals_each_alone(tiny_fp32):
     """Two sequences decode while two others prefill in the same step."""
     prompts = [prompt(n, 10 + n) for n in (40, 9, 23, 50)]

@@ -136,6 +136,23 @@ def test_many_programs_and_token_blocks(block_t, chunk):
     _close(hidden, ref.mhc_last(out, streams, post, comb, norm_w, norm_eps=NORM_EPS), 1e-5)
 
 
+def test_rows_past_the_ticket_counters_run_in_pieces(monkeypatch):
+    """More token blocks than ticket counters (long prefill rows): launches over pieces of rows, each piece's
+    outputs where one launch would put them."""
+    T, D = 21, 130
+    monkeypatch.setattr(fused, "MAX_TICKETS", 4)  # pieces of 4 blocks of 2 tokens: 8, 8 and 5 rows
+    out, streams, post, comb, hc, norm_w = _case(T, D, torch.float32, seed=21)
+    bufs = _nan_buffers(T, D, torch.float32)
+    got = fused.mhc_boundary(out, streams, post, comb, *_mixer(hc), norm_w, **KW, block_t=2, **bufs)
+    for g, w in zip(got, ref.mhc_boundary(out, streams, post, comb, *_mixer(hc), norm_w, **KW)):
+        _close(g, w, 1e-5)
+    first = fused.mhc_first(out, *_mixer(hc), norm_w, **KW, block_t=2)
+    for g, w in zip(first, ref.mhc_first(out, *_mixer(hc), norm_w, **KW)):
+        _close(g, w, 1e-5)
+    hidden = fused.mhc_last(out, streams, post, comb, norm_w, norm_eps=NORM_EPS, block_t=2)
+    _close(hidden, ref.mhc_last(out, streams, post, comb, norm_w, norm_eps=NORM_EPS), 1e-5)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 def test_register_sinkhorn_of_the_gpu_path(dtype):
     """The GPU runs n = 4 Sinkhorn as 16 register values; check that path here too (asked of the plan)."""

@@ -9,9 +9,9 @@ import torch
 from glm5next.config import KDA_L2_EPS
 from glm5next.forward import AttnMetadata, KdaState
 from glm5next.kernels.kda import KdaWeights, kda_commit, kda_decode, kda_decode_reference, plan_kda
-from glm5next.kernels.kda.prefill import kda_prefill
+from glm5next.kernels.kda.prefill import gated_norm, kda_prefill, kda_prefill_inputs
 from glm5next.kernels.kda.reference import kda_prefill_reference
-from glm5next.model.kda import KdaProjections
+from glm5next.model.kda import KdaProjections, gated_rms_norm
 from glm5next.model.kda_recurrence import kda_chunked
 from glm5next.runtime.kda_commit import commit
 from glm5next.specialized_decode.kda import KdaStage
@@ -230,6 +230,38 @@ def test_prefill_reference_matches_the_stock_chunked_form():
     for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
         o, s = kda_chunked(q[a:b], k[a:b], v[a:b], gate[a:b], beta[a:b], init[i])
         assert rel(out[a:b], o) < 1e-5 and rel(final[i], s) < 1e-5
+
+
+def test_prefill_inputs_and_norm_equal_the_stock_pieces(tiny_fp32):
+    """The prefill launches on the small model's first KDA layer against the stock pieces they replace, for
+    three sequences (a continuation shorter than the conv window, a fresh prompt, a continuation): q, k, v
+    (conv + SiLU, l2-normalised heads), decay and beta from `_prefill`'s PyTorch steps, the state only read;
+    the gated output norm against `gated_rms_norm`. Every element of every output is compared."""
+    attn = tiny_fp32.layers[0].self_attn
+    h, d, keep = attn.num_heads, attn.head_dim, attn.conv_kernel - 1
+    lens, fresh = [2, 9, 6], [False, True, False]
+    t = sum(lens)
+    p = KdaProjections(*random_step(t, h, d, seed=11))
+    conv, _, _ = random_cache(5, h, d, keep, seed=12)
+    slots = torch.tensor([3, 0, 1])
+    starts = [0, 2, 11, 17]
+    before = conv.clone()
+    q, k, v, g, beta = kda_prefill_inputs(p.q, p.k, p.v, p.f, p.b, attn.conv_weight().contiguous(), conv, attn.A_log,
+                                          attn.dt_bias, starts, torch.where(torch.tensor(fresh), -1, slots), h,
+                                          attn.lower_bound, KDA_L2_EPS, torch.float32)
+    assert torch.equal(conv, before)
+    mixed = torch.cat([p.q, p.k, p.v], dim=-1)
+    for i, (a, b) in enumerate(zip(starts[:-1], starts[1:])):
+        history = torch.zeros(1, 3 * h * d, keep) if fresh[i] else conv[slots[i : i + 1]]
+        window = torch.cat([history, mixed[a:b].t().unsqueeze(0)], dim=-1)
+        wq, wk, wv = attn.heads(attn.conv_silu(window, torch.float32)[0].t())
+        for got, want in ((q, wq), (k, wk), (v, wv)):
+            assert rel(got[a:b], want) < 1e-5
+    assert rel(g, attn.log_decay(p.f)) < 1e-5 and rel(beta, torch.sigmoid(p.b)) < 1e-5
+    core = torch.randn(t, h, d, generator=torch.Generator().manual_seed(13))
+    want = gated_rms_norm(core, p.g.view_as(core), attn.o_norm_weight, attn.norm_eps)
+    got = gated_norm(core.reshape(-1, d), p.g.reshape(-1, d), attn.o_norm_weight, attn.norm_eps)
+    assert rel(got.view_as(want), want) < 1e-5
 
 
 @pytest.mark.gpu

@@ -7,8 +7,9 @@ from torch import nn
 
 from ..checkpoint.loader import load_checkpoint
 from ..checkpoint.specs import TensorSpec, set_param
-from ..config import Glm5NextConfig
-from ..forward import ForwardContext, ModelCache
+from ..config import MHC_POST_MULT, Glm5NextConfig
+from ..forward import CUDAGraphMode, ForwardContext, ModelCache
+from ..kernels import boundary as boundary_kernels
 from ..parallel.collectives import all_gather
 from ..parallel.group import SINGLE, TensorParallel, check_divisible
 from ..parallel.layers import ColumnParallelLinear, vocab_parallel_embedding
@@ -80,11 +81,50 @@ class Glm5NextModel(nn.Module):
         return vocab_parallel_embedding(input_ids, self.embed_tokens, self.tp)
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, cache: ModelCache) -> torch.Tensor:
-        """The post-final-norm hidden states [T, D] of tokens `input_ids` [T]."""
-        streams = hc_expand(self.embed(input_ids), self.config.hc_mult)
+        """The post-final-norm hidden states [T, D] of tokens `input_ids` [T]. Eager steps of a 16-bit model
+        on a GPU (prefill, mixed steps) run the mHC between sublayers on the fused boundary kernels
+        (`forward_fused`); the others run each layer's PyTorch form (`forward_stock`)."""
+        embedded = self.embed(input_ids)
+        if self.runs_fused_boundaries(embedded, ctx):
+            return self.forward_fused(embedded, ctx, cache)
+        return self.forward_stock(embedded, ctx, cache)
+
+    @staticmethod
+    def runs_fused_boundaries(embedded: torch.Tensor, ctx: ForwardContext) -> bool:
+        """Whether `forward` takes `forward_fused`: an eager step (not captured) of 16-bit activations on a GPU."""
+        return (embedded.is_cuda and embedded.dtype in (torch.bfloat16, torch.float16)
+                and ctx.cudagraph_mode == CUDAGraphMode.NONE)
+
+    def forward_stock(self, embedded: torch.Tensor, ctx: ForwardContext, cache: ModelCache) -> torch.Tensor:
+        """`forward` from the embeddings [T, D], layer by layer in PyTorch."""
+        streams = hc_expand(embedded, self.config.hc_mult)
         for layer in self.layers:
             streams = layer(streams, ctx, cache)
         return self.norm(hc_contract(streams))
+
+    def forward_fused(self, embedded: torch.Tensor, ctx: ForwardContext, cache: ModelCache) -> torch.Tensor:
+        """`forward` from the embeddings [T, D] with every mHC boundary in one launch (`glm5next.kernels.boundary`):
+        the first layer's expand + pre + norm, between two sublayers the post of one, the pre of the next and
+        its norm, the last layer's post + mean of the streams + final norm. The sublayers are the layers' own."""
+        c = self.config
+        consts = dict(hc_eps=c.hc_eps, rms_eps=c.rms_norm_eps, sinkhorn_iters=c.hc_sinkhorn_iters, post_mult=MHC_POST_MULT)
+
+        def boundary(out, streams, post, comb, hc, norm):
+            return boundary_kernels.mhc_boundary(out, streams, post, comb, hc.fn, hc.base, hc.scale, norm.weight,
+                                                 norm_eps=norm.eps, **consts)
+
+        first = self.layers[0]
+        streams, post, comb, x = boundary_kernels.mhc_first(embedded, first.attn_hc.fn, first.attn_hc.base,
+                                                            first.attn_hc.scale, first.input_layernorm.weight,
+                                                            norm_eps=first.input_layernorm.eps, **consts)
+        for i, layer in enumerate(self.layers):
+            out = layer.attention(x, ctx, cache)
+            streams, post, comb, x = boundary(out, streams, post, comb, layer.ffn_hc, layer.post_attention_layernorm)
+            out = layer.ffn(x, ctx)
+            if i + 1 < len(self.layers):
+                nxt = self.layers[i + 1]
+                streams, post, comb, x = boundary(out, streams, post, comb, nxt.attn_hc, nxt.input_layernorm)
+        return boundary_kernels.mhc_last(out, streams, post, comb, self.norm.weight, norm_eps=self.norm.eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [T, vocab] in fp32 for post-norm hidden states [T, D] (scale 1, no soft-cap); under

@@ -25,7 +25,7 @@ from torch import nn
 from ..checkpoint.specs import TensorSpec, set_param
 from ..config import KDA_L2_EPS, Glm5NextConfig
 from ..forward import AttnMetadata, KdaState
-from ..kernels.kda.prefill import kda_prefill
+from ..kernels.kda.prefill import gated_norm, kda_prefill, kda_prefill_inputs
 from ..parallel.group import SINGLE, TensorParallel
 from ..parallel.layers import ColumnParallelLinear, Linear, RowParallelLinear
 from .kda_recurrence import kda_chunked, kda_step
@@ -158,15 +158,20 @@ class KimiDeltaAttention(nn.Module):
 
     def mix(self, p: KdaProjections, md: AttnMetadata, state: KdaState) -> torch.Tensor:
         """The gated, normalised delta-rule outputs [T, H * V] (the projections' dtype), the o_proj's input,
-        of the step's projections `p`: conv, gates, recurrence and output norm; updates `state`."""
+        of the step's projections `p`: conv, gates, recurrence and output norm; updates `state`. A 16-bit
+        step with prefill rows on a GPU runs their inputs, the delta rule and every row's output norm on the
+        prefill kernels (`runs_prefill_kernels`)."""
         nd = md.num_decodes
         q_per = md.num_decode_tokens // nd if nd else 1
         if md.num_decode_tokens != nd * q_per:
             raise ValueError(f"{md.num_decode_tokens} decode tokens over {nd} sequences: a verify step is uniform")
-        mixed = torch.cat([p.q, p.k, p.v], dim=-1)  # [T, 3HK]
-        decay = self.log_decay(p.f)
-        # transformers takes this sigmoid in the model dtype; the delta rule then upcasts it.
-        beta = torch.sigmoid(p.b).float()
+        kernels = self.runs_prefill_kernels(p.q, md)
+        rows = md.num_decode_tokens if kernels else p.q.shape[0]  # the rows whose inputs are built here
+        if rows:
+            mixed = torch.cat([p.q[:rows], p.k[:rows], p.v[:rows]], dim=-1)  # [rows, 3HK]
+            decay = self.log_decay(p.f[:rows])
+            # transformers takes this sigmoid in the model dtype; the delta rule then upcasts it.
+            beta = torch.sigmoid(p.b[:rows]).float()
         parts = []
         if nd:
             slots = state.slots(md.state_indices[:nd])
@@ -177,10 +182,54 @@ class KimiDeltaAttention(nn.Module):
                 parts.append(self._verify(mixed[:nt], decay[:nt], beta[:nt], slots, state, q_per))
         if md.num_prefills:
             a, b = md.query_start_loc_cpu[nd], md.query_start_loc_cpu[nd + md.num_prefills]
-            parts.append(self._prefill(mixed[a:b], decay[a:b], beta[a:b], md, state))
+            if kernels:
+                parts.append(self._prefill_on_kernels(p, md, state))
+            else:
+                parts.append(self._prefill(mixed[a:b], decay[a:b], beta[a:b], md, state))
         core = torch.cat(parts).to(p.q.dtype)  # [T, H, V]
-        y = gated_rms_norm(core, p.g.view_as(core), self.o_norm_weight, self.norm_eps)
+        if kernels:
+            y = gated_norm(core.reshape(-1, core.shape[-1]), p.g.reshape(-1, core.shape[-1]), self.o_norm_weight,
+                           self.norm_eps)
+        else:
+            y = gated_rms_norm(core, p.g.view_as(core), self.o_norm_weight, self.norm_eps)
         return y.reshape(core.shape[0], -1)
+
+    @staticmethod
+    def runs_prefill_kernels(x: torch.Tensor, md: AttnMetadata) -> bool:
+        """Whether `mix` runs a step's prefill rows on the prefill kernels: a step with prefill rows, 16-bit
+        projections on a GPU (fla's products are 16-bit; an fp32 model keeps the fp32 PyTorch form)."""
+        return bool(md.num_prefills) and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+
+    def _prefill_on_kernels(self, p: KdaProjections, md: AttnMetadata, state: KdaState) -> torch.Tensor:
+        """Delta-rule outputs [L, H, V] (the projections' dtype) of the step's prefill rows: their inputs in one
+        launch (`kda_prefill_inputs`, reading each sequence's conv window), every sequence's delta rule in one
+        fla call; advances the conv windows and the recurrent states."""
+        keep = self.conv_kernel - 1
+        nd, n = md.num_decodes, md.num_prefills
+        starts = [int(x) for x in md.query_start_loc_cpu[nd : nd + n + 1]]
+        a, b = starts[0], starts[-1]
+        rel = [x - a for x in starts]
+        slot_ids = state.slots(md.state_indices[nd : nd + n])
+        fresh_host = [bool(md.context_lens_cpu[s] == 0) for s in range(nd, nd + n)]
+        fresh = torch.tensor(fresh_host).to(slot_ids.device)
+        history = torch.where(fresh, torch.full_like(slot_ids, -1), slot_ids)
+        q, k, v, g, beta = kda_prefill_inputs(p.q[a:b], p.k[a:b], p.v[a:b], p.f[a:b], p.b[a:b],
+                                              self.conv_weight().contiguous(), state.conv, self.A_log, self.dt_bias,
+                                              rel, history, self.num_heads, self.lower_bound, KDA_L2_EPS, p.q.dtype)
+        # The conv windows after each sequence: its last `keep` pre-conv rows (some from the old window when
+        # the sequence is shorter); read by the launch above, so written after it.
+        for i in range(n):
+            lo, hi = max(starts[i], starts[i + 1] - keep), starts[i + 1]
+            slot = slot_ids[i : i + 1]
+            old = state.conv.new_zeros(1, state.conv.shape[1], keep) if fresh_host[i] else state.conv[slot]
+            tail = torch.cat([p.q[lo:hi], p.k[lo:hi], p.v[lo:hi]], dim=-1).t().unsqueeze(0).to(old.dtype)
+            state.conv.index_copy_(0, slot, torch.cat([old, tail], dim=-1)[..., -keep:])
+        initial = state.recurrent[slot_ids]
+        initial[fresh] = 0.0
+        cu = torch.tensor(rel, dtype=torch.int64).to(q.device)
+        out, final = kda_prefill(q, k, v, g, beta, initial, cu, self.lower_bound, p.q.dtype)
+        state.recurrent.index_copy_(0, slot_ids, final)
+        return out
 
     def forward(self, x: torch.Tensor, md: AttnMetadata, state: KdaState) -> torch.Tensor:
         """The layer output [T, hidden] (x's dtype) of the step's tokens x [T, hidden]; updates `state`:

@@ -167,8 +167,15 @@ def _launch(mode, out, streams, post, comb, fn, base, scale, w, new_streams, new
     if not 1 <= T:
         raise ValueError("need at least one token")
     p = plan(T, D, n, out.is_cuda, block_t, chunk, sinkhorn_in_registers)
-    if p.token_blocks > MAX_TICKETS:
-        raise ValueError(f"{T} tokens need {p.token_blocks} ticket counters (max {MAX_TICKETS})")
+    if p.token_blocks > MAX_TICKETS:  # (long prefill rows) in pieces of rows, one launch each
+        rows = MAX_TICKETS * p.block_t
+        for a in range(0, T, rows):
+            r = slice(a, min(T, a + rows))
+            part = lambda t: None if t is None else t[r]  # noqa: E731
+            _launch(mode, out[r], part(streams), part(post), part(comb), fn, base, scale, w, part(new_streams),
+                    part(new_post), part(new_comb), x[r], hc_eps, rms_eps, norm_eps, sinkhorn_iters, post_mult,
+                    p.block_t, chunk, pdl, defer, pending_iters, part(x16), sinkhorn_in_registers)
+        return
     for t in (new_streams, new_post, new_comb, x):
         if t is not None and not t.is_contiguous():
             raise ValueError("output buffers must be contiguous")
