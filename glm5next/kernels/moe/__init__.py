@@ -15,13 +15,12 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from . import w8a8 as fp8_kernels
 from .experts import combine_kernel, down_kernel, gate_up_kernel
-from .reference import moe_reference, quantized_reference, route_reference
+from .reference import moe_reference, route_reference
 from .routing import group_kernel, router_logits_kernel, router_rows_kernel, topk_kernel
 
 __all__ = ["ExpertWeights", "MoePlan", "Routing", "experts_forward", "group_rows", "moe_forward", "moe_prefill",
-           "moe_reference", "plan_moe", "prefill_plan", "quantized_reference", "route", "route_reference"]
+           "moe_reference", "plan_moe", "prefill_plan", "route", "route_reference"]
 
 MAX_TOKENS = 64
 """Most tokens one call takes (the routing kernel holds the whole step in one program)."""
@@ -124,16 +123,13 @@ class MoePlan:
     router_warps: int = 4
     down_stages: int | None = None
     """Pipeline stages of the down launch (None: `num_stages`, as gate|up)."""
-    w8a8: bool = False
-    """FP8 experts only: the products on FP8 tensor cores (`w8a8.py`: activations quantised to e4m3 per row and
-    128-channel group; gate|up BLOCK_N 128, BLOCK_K 128) instead of weights widened to 16 bits."""
 
     def describe(self) -> str:
         router = "row form" if self.router_rows else "split-K products"
         return (f"router {router}, {self.router_split} splits x {self.router_block_e} experts; experts BLOCK_M {self.block_m}, "
                 f"gate|up BLOCK_N {self.gate_up_block_n}, down BLOCK_N {self.down_block_n}, BLOCK_K {self.block_k}, "
                 f"{self.num_warps} warps, {self.num_stages} stages (down {self.down_stages or self.num_stages})"
-                + (", fp16 products" if self.half else "") + (", w8a8 (FP8 products)" if self.w8a8 else ""))
+                + (", fp16 products" if self.half else ""))
 
 
 def plan_moe(tokens: int, hidden: int, device: torch.device, **overrides) -> MoePlan:
@@ -244,26 +240,9 @@ def experts_forward(x: torch.Tensor, w: ExpertWeights, r: Routing, limit: float,
     padded tokens, `slots` < 0)."""
     t, d = x.shape
     top_k = r.ids.shape[1]
-    dev = x.device
-    if plan.w8a8 and w.scaled:
-        y = _experts_w8a8(x, w, r, limit, plan, dev.type == "cpu")
-    else:
-        y = _experts_widened(x, w, r, limit, plan, x.dtype == torch.float32 or dev.type == "cpu")
-    if out is None:
-        out = torch.empty(t, d, dtype=x.dtype, device=dev)
-    combine_kernel[(t, triton.cdiv(d, plan.combine_block_n))](
-        y, slots if slots is not None else y, out, t, d, out.stride(0),
-        TOP_K=top_k, HAS_SLOTS=slots is not None, BLOCK_N=plan.combine_block_n)
-    return out
-
-
-def _experts_widened(x: torch.Tensor, w: ExpertWeights, r: Routing, limit: float, plan: MoePlan,
-                     f32: bool) -> torch.Tensor:
-    """The per-pair outputs [pairs, D] fp32, weights widened to x's precision (or fp16)."""
-    t, d = x.shape
-    top_k = r.ids.shape[1]
     n_inter = w.gate.shape[1]
     dev = x.device
+    f32 = x.dtype == torch.float32 or dev.type == "cpu"
     offs = w.shared_offsets()
     pairs = t * top_k + t
     half = plan.half and w.scaled and not f32
@@ -279,39 +258,12 @@ def _experts_widened(x: torch.Tensor, w: ExpertWeights, r: Routing, limit: float
         offs[2], offs[5], t, d, n_inter,
         TOP_K=top_k, HAS_SCALE=w.scaled, F32=f32, HALF=half, BLOCK_M=plan.block_m, BLOCK_N=plan.down_block_n,
         BLOCK_K=plan.block_k, num_warps=plan.num_warps, num_stages=plan.down_stages or plan.num_stages)
-    return y
-
-
-def _experts_w8a8(x: torch.Tensor, w: ExpertWeights, r: Routing, limit: float, plan: MoePlan,
-                  interpreted: bool) -> torch.Tensor:
-    """The per-pair outputs [pairs, D] fp32 on FP8 tensor cores: x quantised (one launch), then gate|up
-    (its SwiGLU output quantised in the epilogue) and down."""
-    if plan.gate_up_block_n != 128:
-        raise ValueError(f"w8a8 gate|up tiles are one 128-channel group wide, got BLOCK_N {plan.gate_up_block_n}")
-    t, d = x.shape
-    top_k = r.ids.shape[1]
-    n_inter = w.gate.shape[1]
-    dev = x.device
-    offs = w.shared_offsets()
-    pairs = t * top_k + t
-    xq = torch.empty(t, d, dtype=FP8, device=dev)
-    xs = torch.empty(t, triton.cdiv(d, 128), dtype=torch.float32, device=dev)
-    fp8_kernels.quantize_rows_kernel[(triton.cdiv(t, 16), triton.cdiv(d, 128))](
-        x, xq, xs, t, d, x.stride(0), BLOCK_T=16)
-    hq = torch.empty(pairs, n_inter, dtype=FP8, device=dev)
-    hs = torch.empty(pairs, triton.cdiv(n_inter, 128), dtype=torch.float32, device=dev)
-    fp8_kernels.gate_up_kernel[(triton.cdiv(n_inter, 128), r.max_slots)](
-        xq, xs, w.gate, w.up, w.gate_scale, w.up_scale, hq, hs, r.slot_expert, r.slot_start, r.slot_count, r.rows,
-        r.n_slots, offs[0], offs[1], offs[3], offs[4], t, n_inter, d, float(limit),
-        TOP_K=top_k, F32=interpreted, BLOCK_M=plan.block_m, BLOCK_N=128, num_warps=plan.num_warps,
-        num_stages=plan.num_stages)
-    y = torch.empty(pairs, d, dtype=torch.float32, device=dev)
-    fp8_kernels.down_kernel[(triton.cdiv(d, plan.down_block_n), r.max_slots)](
-        hq, hs, w.down, w.down_scale, r.weights, y, r.slot_expert, r.slot_start, r.slot_count, r.rows, r.n_slots,
-        offs[2], offs[5], t, d, n_inter,
-        TOP_K=top_k, F32=interpreted, BLOCK_M=plan.block_m, BLOCK_N=plan.down_block_n,
-        num_warps=plan.num_warps, num_stages=plan.down_stages or plan.num_stages)
-    return y
+    if out is None:
+        out = torch.empty(t, d, dtype=x.dtype, device=dev)
+    combine_kernel[(t, triton.cdiv(d, plan.combine_block_n))](
+        y, slots if slots is not None else y, out, t, d, out.stride(0),
+        TOP_K=top_k, HAS_SLOTS=slots is not None, BLOCK_N=plan.combine_block_n)
+    return out
 
 
 def moe_forward(x: torch.Tensor, w: ExpertWeights, top_k: int, scale: float, norm: bool, eps: float, limit: float,
@@ -331,7 +283,7 @@ def moe_prefill(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: Ex
     """The routed and shared experts over `x` [T, D] (any T) for the router's choice `ids` / `weights`
     [T, k]: [T, D] in x's dtype, each token's experts summed in fp32 in a fixed order (eager only)."""
     if plan is None:
-        plan = prefill_plan(x.device, x.dtype)
+        plan = prefill_plan(x.device)
     out = torch.empty_like(x)
     for a in range(0, x.shape[0], PREFILL_CHUNK):
         b = min(x.shape[0], a + PREFILL_CHUNK)
@@ -340,15 +292,15 @@ def moe_prefill(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: Ex
     return out
 
 
-def prefill_plan(device: torch.device, dtype: torch.dtype) -> MoePlan:
-    """The launch plan of prefill chunks of `dtype` activations: row tiles of 64 on the tensor cores, the FP8
+def prefill_plan(device: torch.device) -> MoePlan:
+    """The launch plan of prefill chunks: row tiles of 64 on the tensor cores, the FP8
     weights widened in registers (the stock numerics); the interpreter takes few, large programs.
 
-    FP8 products (w8a8, `MoePlan.w8a8`) ran the experts in 4.32 / 10.41 ms a layer at 2048 / 8192 tokens
-    against 8.05 / 24.62 for this plan and 8.11 / 14.16 for torch._grouped_mm over bf16 copies (H100,
-    2026-12-06, bench/results/2026-12-06-h100-moe-prefill-w8a8.json), but a bf16 prefill on them kept the fp32
-    model's top-1 token on 192 of 193 clear rows (99.48 %, 91.4 % of all rows against 96.5 % for this plan):
-    under the 99.5 % bar, so it is not used."""
+    FP8 products (w8a8, in git history: docs/decisions.md) ran the experts in 4.32 / 10.41 ms a layer at 2048 /
+    8192 tokens against 8.05 / 24.62 for this plan and 8.11 / 14.16 for torch._grouped_mm over bf16 copies
+    (H100, 2026-12-06, bench/results/2026-12-06-h100-moe-prefill-w8a8.json), but a bf16 prefill on them kept
+    the fp32 model's top-1 token on 192 of 193 clear rows (99.48 %; 91.4 % of all rows against 96.5 % for this
+    plan): under the 99.5 % bar."""
     if device.type == "cpu":
         return plan_moe(MAX_TOKENS, 0, device)
     return MoePlan(MAX_TOKENS, 32, 1, 64, 64, 64, 128, 128, 8, 3, 1024)

@@ -38,31 +38,18 @@ def route_reference(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tensor,
     return ids, w
 
 
-def quantized_reference(x: torch.Tensor) -> torch.Tensor:
-    """x [R, C] through w8a8's activation quantisation and back, fp32: each row's 128-channel groups scaled
-    to a largest magnitude of 448 (scale max|group| / 448, at least 1e-10 / 448), rounded to e4m3 (nearest
-    even), times the scale."""
-    r, c = x.shape
-    groups = torch.nn.functional.pad(x.float(), (0, -c % 128)).view(r, -1, 128)
-    s = groups.abs().amax(-1, keepdim=True).clamp_min(1e-10) / 448.0
-    q = (groups / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
-    return (q * s).view(r, -1)[:, :c]
-
-
 def _swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
     g = g.clamp(max=limit)
     return g * torch.sigmoid(g) * u.clamp(-limit, limit)
 
 
 def moe_reference(x: torch.Tensor, weights, top_k: int, scale: float, norm: bool, eps: float, limit: float,
-                  slots: torch.Tensor | None = None, w8a8: bool = False) -> torch.Tensor:
+                  slots: torch.Tensor | None = None) -> torch.Tensor:
     """The MoE output [T, D] in x's dtype: per token, the weighted routed experts plus the shared expert,
-    summed in fp32 (0 for padded tokens). `weights` is an `ExpertWeights`. `w8a8`: the experts' inputs
-    (x, and each SwiGLU output) pass through `quantized_reference` first (routing still sees x as is)."""
+    summed in fp32 (0 for padded tokens). `weights` is an `ExpertWeights`."""
     w = weights
     ids, rw = route_reference(x, w.router, w.bias, top_k, scale, norm, eps, slots)
-    xf = quantized_reference(x) if w8a8 else x.float()
-    act = (lambda h: quantized_reference(h[None])[0]) if w8a8 else (lambda h: h)
+    xf = x.float()
     out = torch.zeros(x.shape[0], w.down.shape[1], dtype=torch.float32, device=x.device)
     for t in range(x.shape[0]):
         if slots is not None and slots[t] < 0:
@@ -71,9 +58,8 @@ def moe_reference(x: torch.Tensor, weights, top_k: int, scale: float, norm: bool
         for e, wt in experts:
             g = _widen(w.gate[e], None if w.gate_scale is None else w.gate_scale[e]) @ xf[t]
             u = _widen(w.up[e], None if w.up_scale is None else w.up_scale[e]) @ xf[t]
-            h = act(_swiglu(g, u, limit))
-            out[t] += wt * (_widen(w.down[e], None if w.down_scale is None else w.down_scale[e]) @ h)
+            out[t] += wt * (_widen(w.down[e], None if w.down_scale is None else w.down_scale[e]) @ _swiglu(g, u, limit))
         g = _widen(w.shared_gate, w.shared_gate_scale) @ xf[t]
         u = _widen(w.shared_up, w.shared_up_scale) @ xf[t]
-        out[t] += _widen(w.shared_down, w.shared_down_scale) @ act(_swiglu(g, u, limit))
+        out[t] += _widen(w.shared_down, w.shared_down_scale) @ _swiglu(g, u, limit)
     return out.to(x.dtype)
