@@ -73,6 +73,18 @@ def test_fused_boundaries_equal_the_stock_layers(tiny_fp32):
         assert torch.allclose(a.latent, b.latent, rtol=1e-4, atol=1e-4 * b.latent.abs().max())
 
 
+def test_a_cast_fp8_weight_is_refused(tiny_fp32):
+    """Module.to(dtype) turns an FP8 weight into a plain one beside its block scales; the layer says so rather
+    than computing with the unscaled codes."""
+    import copy
+
+    layer = copy.deepcopy(tiny_fp32.layers[3].self_attn.q_b_proj)
+    assert layer.is_fp8
+    layer.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="an FP8 weight was cast"):
+        layer(torch.zeros(2, layer.in_features, dtype=torch.bfloat16))
+
+
 def test_mixed_batch_equals_each_alone(tiny_fp32):
     """Two sequences decode while two others prefill in the same step."""
     prompts = [prompt(n, 10 + n) for n in (40, 9, 23, 50)]

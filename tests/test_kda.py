@@ -426,3 +426,39 @@ def test_cuda_prefill_then_decode_matches_decoding_from_the_start_in_bf16():
     assert rel_err(torch.cat(outs), want) <= 2e-2
     assert rel_err(state.recurrent[0], want_state.recurrent[0]) <= 2e-2
     assert torch.equal(state.conv[0], want_state.conv[0])
+
+
+def test_prefill_on_the_kernels_equals_the_stock_prefill(monkeypatch):
+    """`_prefill_on_kernels` (what a 16-bit step with prefill rows runs on a GPU: the inputs launch, one delta-rule
+    call over every sequence, the gated-norm launch) on the CPU, fp32, with the delta-rule call played by its
+    reference: a mixed step — two decodes, a fresh prompt over a NaN-filled slot, a continuation shorter than
+    the conv window and a long one — equals the stock step in outputs, conv windows and recurrent states."""
+    from glm5next.kernels.kda.reference import kda_prefill_reference
+    from glm5next.model import kda as kda_module
+
+    layer = make_layer(seed=6)
+    histories = {2: 5, 0: 1, 4: 3, 1: 20}
+    state = new_state(layer, 6)
+    for slot, n in histories.items():
+        prefill(layer, inputs(n, seed=200 + slot), state, slot=slot)
+    state.conv[3].fill_(float("nan"))
+    state.recurrent[3].fill_(float("nan"))
+    query_lens, slots = [1, 1, 9, 2, 70], [2, 0, 3, 4, 1]
+    context_lens = [histories[2], histories[0], 0, histories[4], histories[1]]
+    x = inputs(sum(query_lens), seed=7)
+    stock_state = KdaState(conv=state.conv.clone(), recurrent=state.recurrent.clone())
+    want = run(layer, x, stock_state, query_lens, context_lens, 2, slots)
+    calls = []
+
+    def reference(q, k, v, g, beta, initial, cu, lower_bound, dtype):
+        calls.append(cu.tolist())
+        return kda_prefill_reference(q, k, v, g, beta, initial, cu, lower_bound)
+
+    monkeypatch.setattr(kda_module, "kda_prefill", reference)
+    monkeypatch.setattr(KimiDeltaAttention, "runs_prefill_kernels", staticmethod(lambda x, md: md.num_prefills > 0))
+    got = run(layer, x, state, query_lens, context_lens, 2, slots)
+    assert calls == [[0, 9, 11, 81]]  # one call over the three prefill sequences
+    assert rel_err(got, want) <= 1e-5
+    for slot in slots:
+        assert rel_err(state.recurrent[slot], stock_state.recurrent[slot]) <= 1e-5
+        assert rel_err(state.conv[slot], stock_state.conv[slot]) <= 1e-6

@@ -14,6 +14,7 @@ from glm5next.kernels.dsa import (DsaScratch, DsaWeights, IndexerInputWeights, i
                                   indexer_inputs, indexer_inputs_reference, plan_dsa, select_levels, select_pools,
                                   select_pools_reference, sparse_attention, sparse_attention_reference)
 from glm5next.model import indexer as indexer_module
+from glm5next.model.backbone import Glm5NextModel
 from glm5next.model.indexer import top_pools
 from glm5next.runtime.metadata import build_metadata
 from glm5next.specialized_decode.dsa import DsaStage
@@ -317,14 +318,18 @@ def test_stage_equals_stock_attention(tiny_fp32, monkeypatch, rows, q, contexts,
 
 @pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a GPU")])])
-def test_kernels_equal_stock_attention_on_a_prefill_step(tiny_fp32, monkeypatch, dev):
+def test_kernels_equal_stock_attention_on_a_prefill_step(tiny_fp32, tiny_dir, monkeypatch, dev):
     """`attention_on_kernels` (what an eager step runs on a GPU over a 16-bit cache) on a mixed step — a
     decode row, a fresh prompt and a continuation past the point where pools are dropped — cut into
     pieces of rows, against the stock attention: values within 1e-4 (bf16 on the GPU, where the eager
     `attention` itself takes the kernels: 2e-2), the same selected pools, the same cache writes (the
-    pools completed inside the step pooled from the step's own keys)."""
+    pools completed inside the step pooled from the step's own keys). The bf16 layer is loaded as such:
+    casting the fp32 module would turn its FP8 weights into plain ones without their block scales."""
     dtype = torch.float32 if dev == "cpu" else torch.bfloat16
-    attn = copy.deepcopy(tiny_fp32.layers[3].self_attn).to(dev, dtype)
+    if dev == "cpu":
+        attn = copy.deepcopy(tiny_fp32.layers[3].self_attn)
+    else:
+        attn = Glm5NextModel.from_pretrained(tiny_dir, dtype, dev, progress=False).layers[3].self_attn
     config = tiny_fp32.config
     bs, g = 16, torch.Generator().manual_seed(5)
     lens, contexts = [1, 23, 30], [90, 0, 70]

@@ -224,8 +224,7 @@ class KimiDeltaAttention(nn.Module):
             old = state.conv.new_zeros(1, state.conv.shape[1], keep) if fresh_host[i] else state.conv[slot]
             tail = torch.cat([p.q[lo:hi], p.k[lo:hi], p.v[lo:hi]], dim=-1).t().unsqueeze(0).to(old.dtype)
             state.conv.index_copy_(0, slot, torch.cat([old, tail], dim=-1)[..., -keep:])
-        initial = state.recurrent[slot_ids]
-        initial[fresh] = 0.0
+        initial = torch.where(fresh[:, None, None, None], 0.0, state.recurrent[slot_ids])
         cu = torch.tensor(rel, dtype=torch.int64).to(q.device)
         out, final = kda_prefill(q, k, v, g, beta, initial, cu, self.lower_bound, p.q.dtype)
         state.recurrent.index_copy_(0, slot_ids, final)

@@ -44,6 +44,10 @@ class Linear(nn.Module):
         """The weight as a plain `dtype` matrix [out, in]."""
         if self.is_fp8:
             return dequantize_fp8(self.weight, self.weight_scale_inv, dtype)
+        if self.weight_scale_inv is not None:
+            raise ValueError(f"{self!r} holds block scales beside a {self.weight.dtype} weight: an FP8 weight was "
+                             "cast (e.g. by Module.to(dtype)), which drops its scales; load the model in the dtype "
+                             "instead")
         return self.weight.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
