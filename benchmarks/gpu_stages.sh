@@ -3,9 +3,9 @@
 # step profiles at 8K and 128K (the shipped policy), the KDA stage against fla. PART=2: the MoE and DSA
 # stages against their floors and the stock modules, the KDA chunked forms against fla's chunk_kda, the
 # executor's GPU tests with every stage on. PART=3: prefill (its GPU tests, the slice's 8192-token prompt by
-# sublayer and kernel, before a change too). PART=4: the prefill experts' plans and the two-term FP8 experiment,
-# the boundary's plans over long rows. PART=5: the engine end to end (steady decode against the captured step,
-# host time, prefill of 1K / 8K / 32K prompts alone and 8 together).
+# sublayer and kernel, before a change too). PART=4: the prefill experts' plans and the two-term FP8 experiment
+# (speed, error, top-1 agreement). PART=5: the boundary's plans over long rows, the engine end to end (steady
+# decode against the captured step, host time, prefill of 1K / 8K / 32K prompts alone and 8 together).
 # A fresh machine compiles every kernel first: the first part run there needs the longest limits. Logs
 # gather in $OUT/run.log (few files come back per call). fla travels as a wheel in .whl/ (see the device
 # tool's notes).
@@ -26,11 +26,12 @@ run prefill 150 python benchmarks/profile_prefill.py --tokens 8192 --out "$OUT/p
 [ -d benchmarks/.base ] && PYTHONPATH=benchmarks/.base:${PYTHONPATH#.:} run prefill-base 150 \
   python benchmarks/profile_prefill.py --tokens 8192 --out "$OUT/prefill-base.json"
 elif [ "${PART:-1}" = 4 ]; then
-run moe-prefill 150 python benchmarks/moe_prefill.py --out "$OUT/moe-prefill.json"
-run moe-fp8x2 200 python benchmarks/moe_fp8x2.py --out "$OUT/moe-fp8x2.json"
-run boundary-rows 150 python benchmarks/boundary_rows.py --out "$OUT/boundary-rows.json"
+run moe-prefill 120 python benchmarks/moe_prefill.py --out "$OUT/moe-prefill.json"
+run moe-fp8x2 180 python benchmarks/moe_fp8x2.py --out "$OUT/moe-fp8x2.json"
+run moe-fp8x2-agreement 200 python benchmarks/moe_fp8x2.py --agreement --out "$OUT/moe-fp8x2-agreement.json"
 elif [ "${PART:-1}" = 5 ]; then
-run e2e 500 python -m glm5next.bench.cli --mode specialized --tokens 1,4,16,64 --concurrency 1,4,16,64 \
+run boundary-rows 90 python benchmarks/boundary_rows.py --out "$OUT/boundary-rows.json"
+run e2e 450 python -m glm5next.bench.cli --mode specialized --tokens 1,4,16,64 --concurrency 1,4,16,64 \
   --skip-eager --skip-graph --out "$OUT/e2e.json"
 elif [ "${PART:-1}" = 1 ]; then
 run tests 150 python -m pytest -q -m gpu tests/test_kernels_kda.py tests/test_kernels_moe.py tests/test_kernels_dsa.py
