@@ -428,15 +428,17 @@ def test_cuda_prefill_then_decode_matches_decoding_from_the_start_in_bf16():
     assert torch.equal(state.conv[0], want_state.conv[0])
 
 
-def test_prefill_on_the_kernels_equals_the_stock_prefill(monkeypatch):
+@pytest.mark.parametrize("head_dim", [16, 24])
+def test_prefill_on_the_kernels_equals_the_stock_prefill(monkeypatch, head_dim):
     """`_prefill_on_kernels` (what a 16-bit step with prefill rows runs on a GPU: the inputs launch, one delta-rule
     call over every sequence, the gated-norm launch) on the CPU, fp32, with the delta-rule call played by its
     reference: a mixed step — two decodes, a fresh prompt over a NaN-filled slot, a continuation shorter than
-    the conv window and a long one — equals the stock step in outputs, conv windows and recurrent states."""
+    the conv window and a long one — equals the stock step in outputs, conv windows and recurrent states; a
+    head width of 24 pads the kernels' channel tiles."""
     from glm5next.kernels.kda.reference import kda_prefill_reference
     from glm5next.model import kda as kda_module
 
-    layer = make_layer(seed=6)
+    layer = make_layer(make_config(head_dim=head_dim), seed=6)
     histories = {2: 5, 0: 1, 4: 3, 1: 20}
     state = new_state(layer, 6)
     for slot, n in histories.items():

@@ -180,12 +180,11 @@ class KimiDeltaAttention(nn.Module):
             else:
                 nt = nd * q_per
                 parts.append(self._verify(mixed[:nt], decay[:nt], beta[:nt], slots, state, q_per))
-        if md.num_prefills:
+        if md.num_prefills and kernels:
+            parts.append(self._prefill_on_kernels(p, md, state))
+        elif md.num_prefills:
             a, b = md.query_start_loc_cpu[nd], md.query_start_loc_cpu[nd + md.num_prefills]
-            if kernels:
-                parts.append(self._prefill_on_kernels(p, md, state))
-            else:
-                parts.append(self._prefill(mixed[a:b], decay[a:b], beta[a:b], md, state))
+            parts.append(self._prefill(mixed[a:b], decay[a:b], beta[a:b], md, state))
         core = torch.cat(parts).to(p.q.dtype)  # [T, H, V]
         if kernels:
             y = gated_norm(core.reshape(-1, core.shape[-1]), p.g.reshape(-1, core.shape[-1]), self.o_norm_weight,

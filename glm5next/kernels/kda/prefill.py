@@ -57,7 +57,7 @@ def prefill_inputs_kernel(q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, s_q, s_k, s_v, s_f,
         seq = tl.load(seq_ptr + rows, mask=rmask, other=0)
         j = rows - tl.load(start_ptr + seq, mask=rmask, other=0)  # the row's index in its sequence
         slot = tl.load(slot_ptr + seq, mask=rmask, other=-1).to(tl.int64)
-        acc = tl.zeros([BLOCK_T, K], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_T, KP], dtype=tl.float32)
         for i in tl.static_range(W):
             inside = (j - (W - 1) + i >= 0)[:, None]
             x = tl.load(x_ptr + (rows - (W - 1) + i)[:, None] * s_x + col[None, :], mask=mask & inside, other=0.0)
