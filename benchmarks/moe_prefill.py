@@ -1,6 +1,8 @@
 """MoE prefill: the grouped expert kernels over prompt chunks (`glm5next.kernels.moe.moe_prefill`, routed
 and shared experts) at real shapes, one MoE layer of the slice, against a cuBLAS bf16 GEMM of the same
-FLOPs and `torch._grouped_mm` over bf16 copies of the experts, for several launch plans.
+FLOPs and `torch._grouped_mm` over bf16 copies of the experts, for several launch plans; also the decode
+kernels (`experts_forward`, the weight tile the right operand of each product) over the same row tiles,
+the form prefill used before `kernels/moe/prefill.py`.
 
     python benchmarks/moe_prefill.py [--tokens 2048,8192] [--no-peer] [--out moe-prefill.json]
 
@@ -19,17 +21,19 @@ import time
 import torch
 
 from glm5next.bench.slice import build_slice_model, slice_config
-from glm5next.kernels.moe import MAX_TOKENS, ExpertWeights, MoePlan, moe_prefill, prefill_plan
+from glm5next.kernels.moe import (MAX_TOKENS, ExpertWeights, MoePlan, PrefillPlan, experts_forward, group_rows,
+                                  moe_prefill, prefill_plan)
 from kda_prefill import log, median_ms
 from moe_stage import GroupedMmPeer
 
-PLANS = {  # name: (block_m, gate_up_block_n, down_block_n, block_k, warps, stages)
-    "m64 n64/128 k128 w8 s3": (64, 64, 128, 128, 8, 3),
-    "m128 n128/128 k64 w8 s3": (128, 128, 128, 64, 8, 3),
-    "m128 n128/128 k64 w8 s4": (128, 128, 128, 64, 8, 4),
-    "m64 n128/128 k128 w8 s3": (64, 128, 128, 128, 8, 3),
-    "m64 n128/128 k64 w4 s4": (64, 128, 128, 64, 4, 4),
+PLANS = {  # name: PrefillPlan(block_m, block_n, down_block_n, block_k, warps, stages, half)
+    "m64 n128/128 k128 w8 s3 bf16": PrefillPlan(64, 128, 128, 128, 8, 3, False),
+    "m64 n128/128 k128 w8 s3 fp16": PrefillPlan(64, 128, 128, 128, 8, 3, True),
+    "m128 n128/128 k64 w8 s4 fp16": PrefillPlan(128, 128, 128, 64, 8, 4, True),
+    "m128 n128/128 k128 w8 s3 fp16": PrefillPlan(128, 128, 128, 128, 8, 3, True),
 }
+BEFORE = MoePlan(MAX_TOKENS, 32, 1, 64, 64, 64, 128, 128, 8, 3, 1024)
+"""The decode kernels' plan prefill ran on before (row tiles of 64, bf16 products)."""
 
 
 def main() -> None:
@@ -62,18 +66,29 @@ def main() -> None:
         h = torch.empty(t * (k + 1), inter, device=dev, dtype=torch.bfloat16)
         cublas_ms = median_ms(lambda: (torch.matmul(a, b1), torch.matmul(h, b2)), 7)
         row = {"tokens": t, "tflop": flops / 1e12, "cublas_bf16_ms": cublas_ms, "plans": {}}
-        want = moe_prefill(x, ids, weights, w, limit, production)
+
+        def before(xin=x):
+            out = torch.empty_like(xin)
+            for a in range(0, t, 4096):
+                b = min(t, a + 4096)
+                r = group_rows(ids[a:b], weights[a:b], e, BEFORE.block_m)
+                experts_forward(xin[a:b], w, r, limit, BEFORE, out=out[a:b])
+            return out
+
+        want = before()
         den = want.float().abs().max()
-        exact = moe_prefill(x.float(), ids, weights, w, limit, production)
-        for name, (bm, gn, dn, bk, warps, stages) in PLANS.items():
-            plan = MoePlan(MAX_TOKENS, 32, 1, 64, bm, gn, dn, bk, warps, stages, 1024)
+        exact = before(x.float())
+        forms = {"decode kernels (before)": before}
+        for name, plan in PLANS.items():
+            forms[name] = lambda plan=plan: moe_prefill(x, ids, weights, w, limit, plan)
+        for name, fn in forms.items():
             try:
-                ms = median_ms(lambda: moe_prefill(x, ids, weights, w, limit, plan), 7)
-                got = moe_prefill(x, ids, weights, w, limit, plan).float()
+                ms = median_ms(fn, 7)
+                got = fn().float()
                 err = float((got - want.float()).abs().max() / den)
                 rms = float((got - exact).pow(2).mean().sqrt() / exact.pow(2).mean().sqrt())
-                row["plans"][name] = {"ms": ms, "of_cublas": cublas_ms / ms, "err": err, "rms_vs_fp32": rms}
-                log(f"T={t} {name}: {ms:.2f} ms, {cublas_ms / ms:.2f} of cuBLAS ({cublas_ms:.2f} ms), err {err:.1e}, "
+                row["plans"][name] = {"ms": ms, "of_cublas": cublas_ms / ms, "err_vs_before": err, "rms_vs_fp32": rms}
+                log(f"T={t} {name}: {ms:.2f} ms, {cublas_ms / ms:.2f} of cuBLAS ({cublas_ms:.2f} ms), vs before {err:.1e}, "
                     f"RMS vs fp32 {rms:.1e}")
             except Exception as exc:  # noqa: BLE001 - a plan the kernels refuse is part of the result
                 row["plans"][name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}

@@ -28,12 +28,14 @@ from glm5next.runtime.runner import Runner
 from glm5next.specialized_decode import Policy, SpecializedDecode
 
 FAMILIES = [
-    ("moe (ours)", r"gate_up_kernel|down_kernel|combine_kernel|topk_kernel|group_kernel|router_logits_kernel"),
+    ("moe (ours)", r"gate_up_kernel|gate_up_rows_kernel|down_kernel|down_rows_kernel|combine_kernel|topk_kernel|group_kernel|router_logits_kernel"),
     ("dsa (ours)", r"indexer_inputs_kernel|index_scores_kernel|select_pools_kernel|head_product_kernel|attend_kernel|merge_splits_kernel|write_cache_kernel"),
     ("boundary (ours)", r"boundary|sinkhorn|mhc_kernel"),
     ("projections (ours)", r"skinny|linear_kernel|gate_up_swiglu|_linear|rms_norm_pair|producer|norm_cast"),
     ("gemm (cuBLAS)", r"gemm|gemv|cutlass|sm90_xmma|nvjet|splitKreduce"),
-    ("copy / dequantize", r"copy|CatArrayBatched|to_copy|direct_copy|unrolled_elementwise"),
+    ("kda prefill (ours)", r"prefill_inputs_kernel|gated_norm_kernel"),
+    ("kda prefill (fla)", r"chunk_kda|chunk_gla|chunk_gated_delta|recompute_w_u|chunk_local_cumsum|kda_gate"),
+    ("copy / dequantize", r"widen_kernel|copy|CatArrayBatched|to_copy|direct_copy|unrolled_elementwise"),
     ("sort / top-k / index", r"sort|topk|Sort|radix|index|gather|scatter|nonzero|cumsum|bitonic"),
     ("elementwise / reduce", r"elementwise|reduce|Reduce|softmax|norm"),
     ("kda (ours)", r"kda_decode"),

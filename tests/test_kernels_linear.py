@@ -731,3 +731,37 @@ def test_split_k_is_deterministic_at_the_real_width(real_weights):
     first = skinny_linear(x, *real_weights["o_proj"], split_k=8)
     for _ in range(5):
         assert torch.equal(first, skinny_linear(x, *real_weights["o_proj"], split_k=8))
+
+
+def _widen_cases(device: str, dtype: torch.dtype) -> None:
+    """`widen_fp8` against `dequantize_fp8` on `device`, every element written (NaN-filled output), at sizes off
+    the tile and scale-block grid, with scales that are not powers of two."""
+    from glm5next.checkpoint.fp8 import dequantize_fp8
+    from glm5next.kernels.linear.widen import widen_fp8
+
+    g = torch.Generator().manual_seed(5)
+    for n, k in ((45, 200), (130, 300)):
+        w, s = quantize_fp8_blocks(torch.randn(n, k, generator=g))
+        s = s * (1.0 + torch.rand(s.shape, generator=g))
+        w, s = w.to(device), s.to(device)
+        out = torch.full((n, k), float("nan"), dtype=dtype, device=device)
+        widen_fp8(w, s, dtype, out=out)
+        want = dequantize_fp8(w, s, dtype)
+        if dtype == torch.float32 or device == "cuda":
+            assert torch.equal(out, want), (n, k)
+        else:  # the interpreter's bf16 conversion truncates where the GPU's rounds: one bf16 step apart at most
+            assert not out.isnan().any()
+            assert ((out.float() - want.float()).abs() <= want.float().abs() * 2**-7).all(), (n, k)
+    with pytest.raises(ValueError, match="block scales"):
+        widen_fp8(w, s[:, :1], dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_widen_fp8_is_dequantize_fp8(dtype):
+    _widen_cases("cpu", dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+def test_cuda_widen_fp8_is_dequantize_fp8_bit_for_bit():
+    _widen_cases("cuda", torch.bfloat16)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from glm5next.config import ROUTER_NORM_EPS
-from glm5next.kernels.moe import (ExpertWeights, experts_forward, group_rows, moe_forward, moe_reference, plan_moe,
-                                  route, route_reference)
+from glm5next.kernels.moe import (ExpertWeights, PrefillPlan, experts_forward, group_rows, moe_forward, moe_prefill,
+                                  moe_reference, plan_moe, prefill_experts, route, route_reference)
 from glm5next.specialized_decode.moe import MoeStage
 
 FP8 = torch.float8_e4m3fn
@@ -137,6 +137,21 @@ def test_prefill_grouping_runs_any_token_count(block_m):
     assert rel(out, moe_reference(x, w, k, 2.5, True, ROUTER_NORM_EPS, 10.0)) < 1e-4
 
 
+@pytest.mark.parametrize("block_m,block_n,block_k", [(16, 32, 64), (64, 64, 128)])
+def test_prefill_experts_any_token_count(block_m, block_n, block_k):
+    """The prefill kernels (transposed products, a tile of one expert's rows a program) against the reference
+    at odd sizes, an expert's rows over several tiles, every output written (NaN-filled)."""
+    e, d, i, k = SHAPES["odd"]
+    w = random_weights(e, d, i, seed=11)
+    x = torch.randn(70, d, generator=torch.Generator().manual_seed(11))
+    ids, weights = route_reference(x, w.router, w.bias, k, 2.5, True, ROUTER_NORM_EPS)
+    plan = PrefillPlan(block_m, block_n, block_n, block_k, 4, 1, False)
+    out = torch.full((70, d), float("nan"))
+    prefill_experts(x, w, group_rows(ids, weights, e, block_m), 10.0, plan, out=out)
+    assert rel(out, moe_reference(x, w, k, 2.5, True, ROUTER_NORM_EPS, 10.0)) < 1e-4
+    assert rel(moe_prefill(x, ids, weights, w, 10.0), moe_reference(x, w, k, 2.5, True, ROUTER_NORM_EPS, 10.0)) < 1e-4
+
+
 def test_stage_equals_stock_moe(tiny_fp32):
     for idx in (3, 6):
         moe = tiny_fp32.layers[idx].mlp
@@ -166,6 +181,18 @@ def test_real_shapes_bf16_against_fp32_reference(tokens):
     moe_forward(x, w, 8, 2.5, True, ROUTER_NORM_EPS, 10.0, plan, slots, out=out)
     want = moe_reference(x.float(), w, 8, 2.5, True, ROUTER_NORM_EPS, 10.0, slots)
     assert rel(out, want) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+@pytest.mark.parametrize("tokens", [1, 333, 2048])
+def test_prefill_real_shapes_bf16_against_fp32_reference(tokens):
+    """The production prefill plan at real shapes (bf16 activations) against the fp32 reference."""
+    w = random_weights(288, 4096, 2048, device="cuda", seed=tokens)
+    x = torch.randn(tokens, 4096, device="cuda").to(torch.bfloat16)
+    ids, weights = route_reference(x.float(), w.router, w.bias, 8, 2.5, True, ROUTER_NORM_EPS)
+    want = moe_reference(x.float(), w, 8, 2.5, True, ROUTER_NORM_EPS, 10.0)
+    assert rel(moe_prefill(x, ids, weights, w, 10.0), want) < 2e-2
 
 
 @pytest.mark.gpu

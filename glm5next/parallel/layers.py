@@ -17,13 +17,15 @@ from torch import nn
 
 from ..checkpoint.fp8 import FP8_DTYPE, dequantize_fp8
 from ..checkpoint.specs import Shard, TensorSpec, set_param
+from ..kernels.linear.widen import widen_fp8
 from .collectives import all_reduce, reduce_output
 from .group import TensorParallel
 
 
 class Linear(nn.Module):
     """`x @ W.T` without bias. An FP8 weight stays FP8 in memory beside its
-    fp32 block scales `weight_scale_inv` and is dequantized per call."""
+    fp32 block scales `weight_scale_inv` and is dequantized per call (on CUDA in one launch,
+    `kernels.linear.widen`)."""
 
     def __init__(self, in_features: int, out_features: int, keep_fp32: bool = False) -> None:
         super().__init__()
@@ -43,6 +45,8 @@ class Linear(nn.Module):
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight as a plain `dtype` matrix [out, in]."""
         if self.is_fp8:
+            if self.weight.is_cuda:
+                return widen_fp8(self.weight, self.weight_scale_inv, dtype)
             return dequantize_fp8(self.weight, self.weight_scale_inv, dtype)
         if self.weight_scale_inv is not None:
             raise ValueError(f"{self!r} holds block scales beside a {self.weight.dtype} weight: an FP8 weight was "

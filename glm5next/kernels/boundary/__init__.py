@@ -115,7 +115,10 @@ def plan(T: int, D: int, n: int, on_gpu: bool, block_t: int | None = None, chunk
         # token block and runs on one SM; at 16 with deferred Sinkhorn, 12.2 us against 14.5 on
         # two-token blocks), two from 17 (the sweep of 2026-12-04 at 24 / 32 tokens: 14.98 -> 14.52,
         # 22.65 -> 15.94 us); the interpreter wants few, large programs.
-        block_t = (1 if T <= 16 else 2) if on_gpu else min(_p2(T), 8)
+        # Past a decode step's 64 tokens (prefill rows) eight a program: each chunk program reads its columns of
+        # the mixer once for eight tokens (H100, 2048 rows: 434 us against 745 with two, 566 with sixteen;
+        # bench/results/2026-12-06-h100-boundary-rows.log).
+        block_t = (1 if T <= 16 else 2 if T <= 64 else 8) if on_gpu else min(_p2(T), 8)
     bt = _p2(block_t)
     if chunk is None:
         # H200 sweep of 2026-12-04 (64 boundaries in a row, programmatic launch, one token per

@@ -16,11 +16,12 @@ import torch
 import triton
 
 from .experts import combine_kernel, down_kernel, gate_up_kernel
+from .prefill import down_rows_kernel, gate_up_rows_kernel
 from .reference import moe_reference, route_reference
 from .routing import group_kernel, router_logits_kernel, router_rows_kernel, topk_kernel
 
-__all__ = ["ExpertWeights", "MoePlan", "Routing", "experts_forward", "group_rows", "moe_forward", "moe_prefill",
-           "moe_reference", "plan_moe", "prefill_plan", "route", "route_reference"]
+__all__ = ["ExpertWeights", "MoePlan", "PrefillPlan", "Routing", "experts_forward", "group_rows", "moe_forward",
+           "moe_prefill", "moe_reference", "plan_moe", "prefill_experts", "prefill_plan", "route", "route_reference"]
 
 MAX_TOKENS = 64
 """Most tokens one call takes (the routing kernel holds the whole step in one program)."""
@@ -278,8 +279,80 @@ PREFILL_CHUNK = 4096
 """Tokens one prefill call runs the experts over at a time (bounds the fp32 per-pair outputs: 9 x 16 KB a token)."""
 
 
+@dataclass(frozen=True)
+class PrefillPlan:
+    """Launch parameters of the prefill experts (`prefill.py`)."""
+
+    block_m: int
+    """Rows of one expert a program (`group_rows` cuts every expert's rows into tiles of at most this many)."""
+    block_n: int
+    """Output columns a gate|up program (of gate and of up each)."""
+    down_block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    half: bool
+    """Products in fp16 (activations and the SwiGLU output rounded to fp16; FP8 weights widen exactly) instead
+    of the activations' 16-bit type."""
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "down_block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or 128 % v:
+                raise ValueError(f"prefill plan: {name} {v} must divide the 128-wide scale block (16-128), as the "
+                                 "kernels read one scale per tile")
+
+    def describe(self) -> str:
+        return (f"tiles of {self.block_m} rows, gate|up BLOCK_N {self.block_n}, down BLOCK_N {self.down_block_n}, "
+                f"BLOCK_K {self.block_k}, {self.num_warps} warps, {self.num_stages} stages"
+                + (", fp16 products" if self.half else ""))
+
+
+def prefill_plan(device: torch.device) -> PrefillPlan:
+    """The launch plan of prefill chunks; the interpreter takes few, large programs.
+
+    H100, one MoE layer of the slice (bench/results/2026-12-06-h100-moe-prefill-s37*.json): 5.53 / 17.37 ms at
+    2048 / 8192 tokens, against 7.22 / 24.13 for the decode kernels over the same tiles (the form before) and
+    7.59 / 13.75 for torch._grouped_mm over bf16 copies. fp16 products make the difference (bf16: 7.43 / 24.36;
+    e4m3 widens to fp16 in one instruction); tiles of 128 or 32 rows, 8 warps with 128 columns, BLOCK_K 64
+    were slower."""
+    if device.type == "cpu":
+        return PrefillPlan(64, 64, 64, 128, 4, 1, False)
+    return PrefillPlan(64, 64, 64, 128, 4, 3, True)
+
+
+def prefill_experts(x: torch.Tensor, w: ExpertWeights, r: Routing, limit: float, plan: PrefillPlan,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """The grouped experts of routing `r` (tiles of at most `plan.block_m` rows, one a slot: `group_rows`) over
+    `x` [T, D] and the combine: [T, D] in x's dtype."""
+    t, d = x.shape
+    top_k = r.ids.shape[1]
+    n_inter = w.gate.shape[1]
+    dev = x.device
+    f32 = x.dtype == torch.float32 or dev.type == "cpu"
+    half = plan.half and not f32
+    offs = w.shared_offsets()
+    pairs = t * top_k + t
+    h = torch.empty(pairs, n_inter, dtype=torch.float16 if half else x.dtype, device=dev)
+    consts = dict(TOP_K=top_k, HAS_SCALE=w.scaled, F32=f32, HALF=half, BLOCK_M=plan.block_m, BLOCK_K=plan.block_k,
+                  num_warps=plan.num_warps, num_stages=plan.num_stages)
+    gate_up_rows_kernel[(triton.cdiv(n_inter, plan.block_n), r.max_slots)](
+        x, w.gate, w.up, w.gate_scale, w.up_scale, h, r.slot_expert, r.slot_start, r.slot_count, r.rows,
+        r.n_slots, offs[0], offs[1], offs[3], offs[4], t, n_inter, d, x.stride(0), float(limit),
+        BLOCK_N=plan.block_n, **consts)
+    y = torch.empty(pairs, d, dtype=torch.float32, device=dev)
+    down_rows_kernel[(triton.cdiv(d, plan.down_block_n), r.max_slots)](
+        h, w.down, w.down_scale, r.weights, y, r.slot_expert, r.slot_start, r.slot_count, r.rows, r.n_slots,
+        offs[2], offs[5], t, d, n_inter, BLOCK_N=plan.down_block_n, **consts)
+    if out is None:
+        out = torch.empty(t, d, dtype=x.dtype, device=dev)
+    combine_kernel[(t, triton.cdiv(d, 1024))](y, y, out, t, d, out.stride(0), TOP_K=top_k, HAS_SLOTS=False,
+                                             BLOCK_N=1024)
+    return out
+
+
 def moe_prefill(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertWeights, limit: float,
-                plan: MoePlan | None = None) -> torch.Tensor:
+                plan: PrefillPlan | None = None) -> torch.Tensor:
     """The routed and shared experts over `x` [T, D] (any T) for the router's choice `ids` / `weights`
     [T, k]: [T, D] in x's dtype, each token's experts summed in fp32 in a fixed order (eager only)."""
     if plan is None:
@@ -288,19 +361,5 @@ def moe_prefill(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: Ex
     for a in range(0, x.shape[0], PREFILL_CHUNK):
         b = min(x.shape[0], a + PREFILL_CHUNK)
         r = group_rows(ids[a:b], weights[a:b], w.gate.shape[0], plan.block_m)
-        experts_forward(x[a:b], w, r, limit, plan, out=out[a:b])
+        prefill_experts(x[a:b], w, r, limit, plan, out=out[a:b])
     return out
-
-
-def prefill_plan(device: torch.device) -> MoePlan:
-    """The launch plan of prefill chunks: row tiles of 64 on the tensor cores, the FP8
-    weights widened in registers (the stock numerics); the interpreter takes few, large programs.
-
-    FP8 products (w8a8, in git history: docs/decisions.md) ran the experts in 4.32 / 10.41 ms a layer at 2048 /
-    8192 tokens against 8.05 / 24.62 for this plan and 8.11 / 14.16 for torch._grouped_mm over bf16 copies
-    (H100, 2026-12-06, bench/results/2026-12-06-h100-moe-prefill-w8a8.json), but a bf16 prefill on them kept
-    the fp32 model's top-1 token on 192 of 193 clear rows (99.48 %; 91.4 % of all rows against 96.5 % for this
-    plan): under the 99.5 % bar."""
-    if device.type == "cpu":
-        return plan_moe(MAX_TOKENS, 0, device)
-    return MoePlan(MAX_TOKENS, 32, 1, 64, 64, 64, 128, 128, 8, 3, 1024)
