@@ -3,9 +3,10 @@
 # step profiles at 8K and 128K (the shipped policy), the KDA stage against fla. PART=2: the MoE and DSA
 # stages against their floors and the stock modules, the KDA chunked forms against fla's chunk_kda, the
 # executor's GPU tests with every stage on. PART=3: prefill (its GPU tests, the slice's 8192-token prompt by
-# sublayer and kernel, before a change too). PART=4: the prefill experts' plans against the
-# form before and torch._grouped_mm. PART=5: the boundary's plans over long rows, the engine end to end (steady
-# decode against the captured step, host time, prefill of 1K / 8K / 32K prompts alone and 8 together).
+# sublayer and kernel, the GPU's idle time between its kernels and what the host did then, before a change
+# too). PART=4: the prefill experts' plans against the form before and torch._grouped_mm, and their TMA
+# form. PART=5: the boundary's plans over long rows, the engine end to end (steady decode against the
+# captured step, host time, prefill of 1K / 8K / 32K prompts alone and 8 together).
 # A fresh machine compiles every kernel first: the first part run there needs the longest limits. Logs
 # gather in $OUT/run.log (few files come back per call). fla travels as a wheel in .whl/ (see the device
 # tool's notes).
@@ -18,19 +19,21 @@ run() { local name=$1 limit=$2 t0=$SECONDS; shift 2; timeout -s INT "$limit" "$@
   { echo "=== $name: rc=$rc in $((SECONDS - t0)) s"; grep -v "_warn_once\|UserWarning" "/tmp/$name.log"; } >> "$OUT/run.log"; echo "$name: rc=$rc in $((SECONDS - t0)) s"; tail -n ${TAIL:-14} "/tmp/$name.log"; }
 [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=.:/tmp/site
 if [ "${PART:-1}" = 3 ]; then
-run prefill-tests 240 python -m pytest -q -m gpu tests/test_kda.py tests/test_kernels_kda.py tests/test_kernels_dsa.py \
+run prefill-tests 220 python -m pytest -q -m gpu tests/test_kda.py tests/test_kernels_kda.py tests/test_kernels_dsa.py \
   tests/test_kernels_linear.py tests/test_kernels_moe.py -k "prefill or widen"
 run prefill 150 python benchmarks/profile_prefill.py --tokens 8192 --out "$OUT/prefill.json"
+run prefill-gaps 90 python benchmarks/prefill_gaps.py --tokens 8192 --out "$OUT/prefill-gaps.json"
 # The prefill before a change, in the same run: the package of an earlier commit unpacked beforehand with
 #     mkdir -p benchmarks/.base && git archive COMMIT glm5next | tar -x -C benchmarks/.base
 # (untracked, so it travels; delete it afterwards).
-[ -d benchmarks/.base ] && PYTHONPATH=benchmarks/.base:${PYTHONPATH#.:} run prefill-base 150 \
+[ -d benchmarks/.base ] && PYTHONPATH=benchmarks/.base:${PYTHONPATH#.:} run prefill-base 120 \
   python benchmarks/profile_prefill.py --tokens 8192 --out "$OUT/prefill-base.json"
 elif [ "${PART:-1}" = 4 ]; then
 run moe-prefill 120 python benchmarks/moe_prefill.py --out "$OUT/moe-prefill.json"
+run moe-prefill-tma 150 python benchmarks/moe_prefill_tma.py --out "$OUT/moe-prefill-tma.json"
 elif [ "${PART:-1}" = 5 ]; then
-run boundary-rows 90 python benchmarks/boundary_rows.py --out "$OUT/boundary-rows.json"
-run e2e 450 python -m glm5next.bench.cli --mode specialized --tokens 1,4,16,64 --concurrency 1,4,16,64 \
+run boundary-rows 140 python benchmarks/boundary_rows.py --out "$OUT/boundary-rows.json"
+run e2e 420 python -m glm5next.bench.cli --mode specialized --tokens 1,4,16,64 --concurrency 1,4,16,64 \
   --skip-eager --skip-graph --out "$OUT/e2e.json"
 elif [ "${PART:-1}" = 1 ]; then
 run tests 150 python -m pytest -q -m gpu tests/test_kernels_kda.py tests/test_kernels_moe.py tests/test_kernels_dsa.py

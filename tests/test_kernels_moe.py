@@ -152,6 +152,14 @@ def test_prefill_experts_any_token_count(block_m, block_n, block_k):
     assert rel(moe_prefill(x, ids, weights, w, 10.0), moe_reference(x, w, k, 2.5, True, ROUTER_NORM_EPS, 10.0)) < 1e-4
 
 
+def test_prefill_plan_refuses_tiles_across_scale_blocks():
+    """A prefill tile reads one block scale: columns or K steps that do not divide 128 are refused."""
+    with pytest.raises(ValueError, match="block_n 256"):
+        PrefillPlan(64, 256, 64, 128, 8, 3, True)
+    with pytest.raises(ValueError, match="block_k 96"):
+        PrefillPlan(64, 64, 64, 96, 4, 3, True)
+
+
 def test_stage_equals_stock_moe(tiny_fp32):
     for idx in (3, 6):
         moe = tiny_fp32.layers[idx].mlp

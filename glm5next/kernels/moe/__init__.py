@@ -6,6 +6,10 @@ rows routed to it; the shared expert is one more expert that every valid token r
 Every launch has a static grid (sized for the most experts a step can touch), reads its row counts
 from the device and needs no host sync, so the whole layer is CUDA-graph safe after one eager call
 compiles it. The output is deterministic: each token's experts are summed in a fixed order.
+
+Prefill chunks (any number of tokens, eager) take the router's choice from the stock module, group the rows
+by expert in PyTorch (`group_rows`: a slot per tile of rows) and run the prefill kernels (`prefill.py`) and
+the same combine: `moe_prefill`.
 """
 
 from __future__ import annotations
