@@ -36,13 +36,14 @@ def widen_kernel(w_ptr, s_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl
 
 def widen_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype,
               out: torch.Tensor | None = None) -> torch.Tensor:
-    """The FP8 `weight` [N, K] times its block scales `scale_inv` [ceil(N/128), ceil(K/128)] as `dtype` [N, K]
-    (bf16, fp16 or fp32): `dequantize_fp8`'s values in one launch (into `out`, contiguous, when given)."""
+    """The FP8 `weight` [N, K] times its block scales `scale_inv` [ceil(N/128), ceil(K/128)] (taken in fp32, as
+    `dequantize_fp8` takes them) as `dtype` [N, K] (bf16, fp16 or fp32): `dequantize_fp8`'s values in one
+    launch (into `out`, contiguous, when given)."""
     if weight.dtype != FP8_DTYPE or weight.dim() != 2:
         raise ValueError(f"widen_fp8 takes a 2-D {FP8_DTYPE} weight, got {weight.dtype} {tuple(weight.shape)}")
-    if tuple(scale_inv.shape) != scale_shape(tuple(weight.shape)) or scale_inv.dtype != torch.float32:
-        raise ValueError(f"widen_fp8: block scales {tuple(scale_inv.shape)} {scale_inv.dtype} do not fit a weight "
-                         f"{tuple(weight.shape)} (expected {scale_shape(tuple(weight.shape))} fp32)")
+    if tuple(scale_inv.shape) != scale_shape(tuple(weight.shape)):
+        raise ValueError(f"widen_fp8: block scales {tuple(scale_inv.shape)} do not fit a weight "
+                         f"{tuple(weight.shape)} (expected {scale_shape(tuple(weight.shape))})")
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"widen_fp8 writes bf16, fp16 or fp32, not {dtype}")
     assert FP8_BLOCK % BLOCK_N == 0 and FP8_BLOCK % BLOCK_K == 0
@@ -52,5 +53,5 @@ def widen_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype,
     elif out.shape != weight.shape or out.dtype != dtype or not out.is_contiguous():
         raise ValueError(f"widen_fp8: out must be a contiguous {dtype} {tuple(weight.shape)} tensor")
     widen_kernel[(triton.cdiv(n, BLOCK_N), triton.cdiv(k, BLOCK_K))](
-        weight.contiguous(), scale_inv.contiguous(), out, n, k, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+        weight.contiguous(), scale_inv.float().contiguous(), out, n, k, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
     return out
