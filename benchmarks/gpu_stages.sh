@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The stages on a GPU in device calls of under 10 minutes each. PART=1: the stages' GPU tests, the planned
 # step profiles at 8K and 128K (the shipped policy), the KDA stage against fla. PART=2: the MoE and DSA
-# stages against their floors and the stock modules, the KDA chunked forms against fla's chunk_kda, the
-# executor's GPU tests with every stage on. PART=3: prefill (its GPU tests, the slice's 8192-token prompt by
-# sublayer and kernel, the GPU's idle time between its kernels and what the host did then, before a change
-# too). PART=4: the prefill experts' plans against the form before and torch._grouped_mm, and their TMA
-# form. PART=5: the boundary's plans over long rows, the engine end to end (steady decode against the
-# captured step, host time, prefill of 1K / 8K / 32K prompts alone and 8 together).
+# stages against their floors and the stock modules, the KDA chunked forms against fla's chunk_kda, the DSA
+# attention's tiles on a prefill chunk, the executor's GPU tests with every stage on. PART=3: prefill (its
+# GPU tests, the slice's 8192-token prompt by sublayer and kernel, the GPU's idle time between its kernels
+# and what the host did then, before a change too). PART=4: the prefill experts' plans against the form
+# before and torch._grouped_mm, and their TMA form. PART=5: the boundary's plans over long rows, the engine
+# end to end (steady decode against the captured step, host time, prefill of 1K / 8K / 32K prompts alone
+# and 8 together).
 # A fresh machine compiles every kernel first: the first part run there needs the longest limits. Logs
 # gather in $OUT/run.log (few files come back per call). fla travels as a wheel in .whl/ (see the device
 # tool's notes).
@@ -44,5 +45,8 @@ else
 run moe-stage 60 python benchmarks/moe_stage.py --no-peer --tokens 1,2,4,8,64 --out "$OUT/moe-stage.json"
 run dsa-stage 60 python benchmarks/dsa_stage.py --contexts 8192,131072 --tokens 1,8,64 --verify 2x4 --out "$OUT/dsa-stage.json"
 run kda-prefill 90 python benchmarks/kda_prefill.py --out "$OUT/kda-prefill.json"
+# The attention of a 2048-token prefill chunk at 8K context (a verify-shaped step of one row) and its tiles.
+run dsa-prefill-attend 100 python benchmarks/dsa_stage.py --contexts 8192 --tokens 1 --verify 1x2048 --no-stock \
+  --attend 64/32/8,64/64/8,32/64/8,32/32/4,16/64/4,16/32/4 --out "$OUT/dsa-prefill-attend.json"
 run executor 240 python -m pytest -q -x -m gpu tests/gpu/test_specialized.py
 fi
