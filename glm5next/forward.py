@@ -1,5 +1,6 @@
 """What every layer of a step shares: the step metadata, the forward context, the CUDA-graph mode and
-the cache views. Types only; building them is the runtime's job (`runtime.metadata`, `runtime.cache`).
+the cache views. Types only, and `to_device`, the one way host values of a step reach the device; building
+them is the runtime's job (`runtime.metadata`, `runtime.cache`).
 
 A step is a flat list of tokens from several sequences. Decode sequences come
 first (one token each, or `q` tokens each in a speculative verify), then prefill
@@ -21,6 +22,19 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import Glm5NextConfig
+
+
+def to_device(values, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """`torch.tensor(values, dtype=dtype, device=device)` without a stream synchronisation. A copy from pageable
+    host memory to a GPU waits for every kernel queued before it (PyTorch synchronises the stream), so the GPU
+    runs dry while the host builds the rest of the step; on CUDA the values go through pinned memory and an
+    asynchronous copy instead (PyTorch's pinned-memory cache keeps the staging buffer until the copy is done).
+    `values`: a list (or a CPU tensor) of numbers."""
+    t = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 class CUDAGraphMode(enum.Enum):

@@ -137,6 +137,28 @@ def test_prefill_grouping_runs_any_token_count(block_m):
     assert rel(out, moe_reference(x, w, k, 2.5, True, ROUTER_NORM_EPS, 10.0)) < 1e-4
 
 
+@pytest.mark.parametrize("t,k,e,block_m", [(1, 2, 5, 16), (37, 3, 13, 4), (70, 8, 288, 16), (300, 6, 7, 64)])
+def test_group_rows_tiles_every_pair_once(t, k, e, block_m):
+    """The sync-free prefill grouping: the first n_slots slots tile each expert's pairs (the shared expert's
+    first) in order, at most block_m a slot, every pair exactly once; the slots past them hold no rows."""
+    g = torch.Generator().manual_seed(t * 7 + e)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    r = group_rows(ids, torch.rand(t, k, generator=g), e, block_m)
+    n = int(r.n_slots)
+    counts = [t] + torch.bincount(ids.reshape(-1), minlength=e).tolist()
+    assert n == sum(-(-c // block_m) for c in counts) <= r.max_slots
+    seen = []
+    for s in range(n):
+        a, c = int(r.slot_start[s]), int(r.slot_count[s])
+        assert 0 < c <= block_m
+        pairs = r.rows[a : a + c].tolist()
+        expert = int(r.slot_expert[s])
+        assert all((p >= t * k) if expert < 0 else (p < t * k and int(ids.reshape(-1)[p]) == expert) for p in pairs)
+        seen += pairs
+    assert sorted(seen) == list(range(t * k + t))
+    assert not r.slot_count[n:].any()
+
+
 @pytest.mark.parametrize("block_m,block_n,block_k", [(16, 32, 64), (64, 64, 128)])
 def test_prefill_experts_any_token_count(block_m, block_n, block_k):
     """The prefill kernels (transposed products, a tile of one expert's rows a program) against the reference
@@ -201,6 +223,26 @@ def test_prefill_real_shapes_bf16_against_fp32_reference(tokens):
     ids, weights = route_reference(x.float(), w.router, w.bias, 8, 2.5, True, ROUTER_NORM_EPS)
     want = moe_reference(x.float(), w, 8, 2.5, True, ROUTER_NORM_EPS, 10.0)
     assert rel(moe_prefill(x, ids, weights, w, 10.0), want) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+def test_prefill_grouping_and_step_inputs_never_sync():
+    """The prefill grouping and the step's host values on their way to the GPU queue no synchronisation (the
+    GPU would run dry while the host builds the rest of the step)."""
+    from glm5next.forward import to_device
+
+    ids = torch.randint(0, 288, (333, 8), device="cuda")
+    weights = torch.rand(333, 8, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        r = group_rows(ids, weights, 288, 64)
+        staged = to_device(list(range(1000)), torch.int64, "cuda")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert staged.tolist() == list(range(1000))
+    assert int(r.n_slots) <= r.max_slots
 
 
 @pytest.mark.gpu

@@ -24,7 +24,7 @@ from torch import nn
 
 from ..checkpoint.specs import TensorSpec, set_param
 from ..config import KDA_L2_EPS, Glm5NextConfig
-from ..forward import AttnMetadata, KdaState
+from ..forward import AttnMetadata, KdaState, to_device
 from ..kernels.kda.prefill import gated_norm, kda_prefill, kda_prefill_inputs
 from ..parallel.group import SINGLE, TensorParallel
 from ..parallel.layers import ColumnParallelLinear, Linear, RowParallelLinear
@@ -210,7 +210,7 @@ class KimiDeltaAttention(nn.Module):
         rel = [x - a for x in starts]
         slot_ids = state.slots(md.state_indices[nd : nd + n])
         fresh_host = [bool(md.context_lens_cpu[s] == 0) for s in range(nd, nd + n)]
-        fresh = torch.tensor(fresh_host).to(slot_ids.device)
+        fresh = to_device(fresh_host, torch.bool, slot_ids.device)
         history = torch.where(fresh, torch.full_like(slot_ids, -1), slot_ids)
         q, k, v, g, beta = kda_prefill_inputs(p.q[a:b], p.k[a:b], p.v[a:b], p.f[a:b], p.b[a:b],
                                               self.conv_weight().contiguous(), state.conv, self.A_log, self.dt_bias,
@@ -224,7 +224,7 @@ class KimiDeltaAttention(nn.Module):
             tail = torch.cat([p.q[lo:hi], p.k[lo:hi], p.v[lo:hi]], dim=-1).t().unsqueeze(0).to(old.dtype)
             state.conv.index_copy_(0, slot, torch.cat([old, tail], dim=-1)[..., -keep:])
         initial = torch.where(fresh[:, None, None, None], 0.0, state.recurrent[slot_ids])
-        cu = torch.tensor(rel, dtype=torch.int64).to(q.device)
+        cu = to_device(rel, torch.int64, q.device)
         out, final = kda_prefill(q, k, v, g, beta, initial, cu, self.lower_bound, p.q.dtype)
         state.recurrent.index_copy_(0, slot_ids, final)
         return out
@@ -311,7 +311,7 @@ class KimiDeltaAttention(nn.Module):
             if f:
                 initial[i].zero_()
         if mixed.is_cuda and mixed.dtype != torch.float32:
-            cu = torch.tensor([x - base for x in starts[nd : nd + n + 1]], dtype=torch.int64).to(mixed.device)
+            cu = to_device([x - base for x in starts[nd : nd + n + 1]], torch.int64, mixed.device)
             out, final = kda_prefill(q, k, v, decay, beta, initial, cu, self.lower_bound, mixed.dtype)
         else:
             outs, finals = [], []

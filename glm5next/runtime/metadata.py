@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..forward import AttnMetadata
+from ..forward import AttnMetadata, to_device
 
 
 def build_metadata(
@@ -49,19 +49,19 @@ def build_metadata(
         if t:
             tables[s, : len(t)] = torch.tensor(t, dtype=torch.int64)
     dev = torch.device(device)
-    i64 = dict(dtype=torch.int64, device=dev)
+    i64 = torch.int64
     num_decode_tokens = sum(query_lens[:num_decodes])
     return AttnMetadata(
         num_prefills=len(query_lens) - num_decodes,
         num_prefill_tokens=sum(query_lens[num_decodes:]),
         num_decodes=num_decodes,
         num_decode_tokens=num_decode_tokens,
-        positions=torch.tensor(positions, **i64),
-        token_to_seq=torch.tensor(token_to_seq, **i64),
-        slot_mapping=torch.tensor(slots, **i64),
-        state_indices=torch.tensor(state_indices, **i64),
-        block_tables=tables.to(dev),
-        seq_lens=torch.tensor([c + q for q, c in zip(query_lens, context_lens)], **i64),
+        positions=to_device(positions, i64, dev),
+        token_to_seq=to_device(token_to_seq, i64, dev),
+        slot_mapping=to_device(slots, i64, dev),
+        state_indices=to_device(state_indices, i64, dev),
+        block_tables=to_device(tables, i64, dev),
+        seq_lens=to_device([c + q for q, c in zip(query_lens, context_lens)], i64, dev),
         query_start_loc_cpu=starts,
         context_lens_cpu=list(context_lens),
     )

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..forward import AttnMetadata, CUDAGraphMode, ForwardContext, ModelCache
+from ..forward import AttnMetadata, CUDAGraphMode, ForwardContext, ModelCache, to_device
 from ..model.backbone import Glm5NextModel
 from .host_times import HostTimes
 from .kda_commit import commit
@@ -202,7 +202,7 @@ class Runner:
         for s, item in zip(ordered, items):
             s.num_cached += item[2]
         out = torch.empty_like(logits)
-        out[torch.tensor(order, device=self.device)] = logits
+        out[to_device(order, torch.int64, self.device)] = logits
         return out
 
     @torch.inference_mode()
@@ -225,10 +225,10 @@ class Runner:
             self.cache.block_size, self.device,
         )
         ctx = ForwardContext({p: md for p in self.prefixes}, md.positions, CUDAGraphMode.NONE)
-        ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        ids = to_device(ids, torch.int64, self.device)
         self.host_times.lap("inputs")
         hidden = self.model(ids, ctx, self.cache)
-        last = torch.tensor(md.query_start_loc_cpu[1:], device=self.device) - 1
+        last = to_device(md.query_start_loc_cpu[1:], torch.int64, self.device) - 1
         logits = self.model.compute_logits(hidden[last])
         self.host_times.lap("launch")
         return logits
@@ -249,7 +249,7 @@ class Runner:
         md.num_spec_decodes = num_decodes if q > 1 else 0
         md.num_spec_decode_tokens = num_decodes * q if q > 1 else 0
         ctx = ForwardContext({p: md for p in self.prefixes}, md.positions, CUDAGraphMode.NONE)
-        return self.model(torch.tensor(ids, dtype=torch.int64, device=self.device), ctx, self.cache), md
+        return self.model(to_device(ids, torch.int64, self.device), ctx, self.cache), md
 
     def commit_verify(self, slots: list[int], accepted: list[int]) -> None:
         """Advance every KDA layer's state of `slots` over its first `accepted` verified tokens."""

@@ -220,23 +220,28 @@ def route(x: torch.Tensor, w: ExpertWeights, top_k: int, scale: float, norm: boo
 def group_rows(ids: torch.Tensor, weights: torch.Tensor, num_experts: int, block_m: int) -> Routing:
     """The routing of chosen experts `ids` [T, k] (weights [T, k] fp32) for any T, in PyTorch: every row
     tile of at most `block_m` rows of one expert (the shared expert's first) its own slot, so programs never
-    loop. Reads its tile count back to the host: for eager steps (prefill), not for captured ones."""
+    loop. No host sync: the slots are sized for the most tiles T tokens can make (`n_slots` on the device
+    says how many are in use; the rest hold no rows)."""
     t, k = ids.shape
     dev = ids.device
     flat = ids.reshape(-1)
-    counts = torch.cat([torch.tensor([t], device=dev),
+    counts = torch.cat([torch.full((1,), t, dtype=torch.int64, device=dev),
                         torch.zeros(num_experts, dtype=torch.int64, device=dev).index_add_(
                             0, flat, torch.ones_like(flat))])
     first = torch.cumsum(counts, 0) - counts
     tiles = (counts + block_m - 1) // block_m
-    slot_of = torch.repeat_interleave(torch.arange(num_experts + 1, device=dev), tiles)  # host sync: tile count
-    within = torch.arange(slot_of.numel(), device=dev) - (torch.cumsum(tiles, 0) - tiles)[slot_of]
+    ends = torch.cumsum(tiles, 0)
+    # The shared expert's tiles, then at most one partial tile per touched expert beside the full ones.
+    most = -(-t // block_m) + t * k // block_m + min(num_experts, t * k)
+    slot = torch.arange(most, device=dev)
+    slot_of = torch.searchsorted(ends, slot, right=True).clamp_(max=num_experts)
+    within = slot - (ends - tiles)[slot_of]
     start = first[slot_of] + within * block_m
-    count = torch.minimum(counts[slot_of] - within * block_m, torch.full_like(start, block_m))
+    count = (counts[slot_of] - within * block_m).clamp_(0, block_m)
     rows = torch.cat([t * k + torch.arange(t, device=dev), torch.argsort(flat, stable=True)])
     i32 = dict(dtype=torch.int32)
     return Routing(ids.to(**i32), weights.float(), (slot_of - 1).to(**i32), start.to(**i32), count.to(**i32),
-                   rows.to(**i32), torch.tensor([slot_of.numel()], dtype=torch.int32, device=dev))
+                   rows.to(**i32), ends[-1:].to(**i32))
 
 
 def experts_forward(x: torch.Tensor, w: ExpertWeights, r: Routing, limit: float, plan: MoePlan,
