@@ -79,8 +79,20 @@ def main() -> None:
     busy = [(e.time_range.start, e.time_range.end) for e in gpu]
     first, last = min(a for a, _ in busy), max(b for _, b in busy)
     gaps = gaps_of(busy, args.min_gap_us)
-    syncs = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU
-             and any(m in e.name for m in SYNC_MARKERS)]
+    cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    syncs = [e for e in cpu if any(m in e.name for m in SYNC_MARKERS)]
+    framed = sorted((e for e in cpu if e.stack), key=lambda e: e.time_range.start)
+    framed_starts = [e.time_range.start for e in framed]
+
+    def frame_of(e) -> str:
+        """The innermost project frame of e, or of the innermost op with a stack around it (runtime calls
+        such as cudaStreamSynchronize carry none)."""
+        if e.stack:
+            return own_frame(e.stack)
+        i = bisect.bisect_right(framed_starts, e.time_range.start)
+        around = [o for o in framed[max(0, i - 64):i] if o.time_range.end >= e.time_range.end]
+        return own_frame(min(around, key=lambda o: o.time_range.end - o.time_range.start).stack) if around else "?"
+
     starts = sorted((e.time_range.start, short_name(e.name)) for e in gpu)
     by_cause: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     keys = [s for s, _ in starts]
@@ -88,7 +100,7 @@ def main() -> None:
         waiting = [e for e in syncs if e.time_range.start <= g0 + 1 and e.time_range.end >= g0 - 1]
         if waiting:
             e = max(waiting, key=lambda e: len(e.stack or []))
-            cause = f"sync in {own_frame(e.stack or [])} ({e.name})"
+            cause = f"sync in {frame_of(e)} ({e.name})"
         else:
             i = bisect.bisect_left(keys, g1 - 0.5)
             cause = f"host slower than the GPU before {starts[min(i, len(starts) - 1)][1]}"
