@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..forward import to_device
 from .sampler import SamplingParams
 
 MASK32 = 0xFFFFFFFF
@@ -81,7 +82,7 @@ class SamplingTensors:
             seeds.append(seed)
 
         def put(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(device)
+            return to_device(values, dtype, device)
 
         return cls(
             temperature=put(temps, torch.float32),

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..forward import to_device
 from ..model.backbone import Glm5NextModel
 from ..parallel.collectives import min_int
 from ..parallel.group import init_tensor_parallel, local_rank
@@ -347,12 +348,12 @@ class LLMEngine:
         """Next tokens (and raw logprobs when any row asks) for `rows` of `logits`; one host sync."""
         if not rows:
             return [], None, None
-        lg = logits[torch.tensor(rows, device=logits.device)] if len(rows) != logits.shape[0] else logits
+        lg = logits[to_device(rows, torch.int64, logits.device)] if len(rows) != logits.shape[0] else logits
         params = [self._live[r.request_id].params for r in reqs]
         if all(p.greedy for p in params):
             tok = lg.argmax(dim=-1)
         else:
-            steps = torch.tensor([len(r.output_token_ids) for r in reqs], dtype=torch.int64, device=lg.device)
+            steps = to_device([len(r.output_token_ids) for r in reqs], torch.int64, lg.device)
             tok, _ = self.sampler.sample(lg, self.sampler.plan(params, lg.device), steps)
         want = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         if want is None:

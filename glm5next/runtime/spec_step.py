@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..forward import to_device
 from .draft_graph import DraftRequest
 from .driver import broadcast_spec
 from .sampler import SamplingParams
@@ -177,7 +178,7 @@ def run_device(engine, plan: SpecPlan, state_of) -> tuple[dict[str, list[int]], 
         runner.commit_verify([d.slot for d in drafting], [len(d.next_tokens) for d in drafting])
     done = [(j, row) for j, row in enumerate(prefills) if row.completes]
     if done:
-        last = torch.tensor([starts[nd + j + 1] - 1 for j, _ in done], device=hidden.device)
+        last = to_device([starts[nd + j + 1] - 1 for j, _ in done], torch.int64, hidden.device)
         first = _sample(engine, engine.model.compute_logits(hidden[last]), [row for _, row in done])
         for (_, row), t in zip(done, first):
             new[row.request_id] = [t]
@@ -210,9 +211,9 @@ def _accept(engine, decodes: list[PlanRow], items, all_logits, hidden, q: int, s
         probs = torch.stack([state_of(row.request_id).draft_probs if not row.params.greedy else blank
                              for row in decodes])
     drafts = [toks[c + 1 : c + q] for toks, c, *_ in items[:n]]
-    tokens, counts = accept_rows(logits.view(n, q, -1), torch.tensor(drafts, device=dev), probs,
+    tokens, counts = accept_rows(logits.view(n, q, -1), to_device(drafts, torch.int64, dev), probs,
                                  engine.sampler.plan(params, dev),
-                                 torch.tensor([row.generated for row in decodes], device=dev))
+                                 to_device([row.generated for row in decodes], torch.int64, dev))
     return [t[:c] for t, c in zip(tokens.tolist(), counts.tolist())]
 
 
@@ -221,5 +222,5 @@ def _sample(engine, logits: torch.Tensor, rows: list[PlanRow]) -> list[int]:
     params = [row.params for row in rows]
     if all(p.greedy for p in params):
         return logits.argmax(dim=-1).tolist()
-    steps = torch.tensor([row.generated for row in rows], dtype=torch.int64, device=logits.device)
+    steps = to_device([row.generated for row in rows], torch.int64, logits.device)
     return engine.sampler.sample(logits, engine.sampler.plan(params, logits.device), steps)[0].tolist()

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .batch_sampler import BatchSampler, SamplingTensors, row_keys, uniforms
-from ..forward import ForwardContext
+from ..forward import ForwardContext, to_device
 from .metadata import build_metadata
 from .sampler import SamplingParams, filtered_probs
 
@@ -114,14 +114,14 @@ class MtpDrafter:
             return []
         md = build_metadata([len(r.next_tokens) for r in rows], [r.start for r in rows], 0,
                             [r.slot for r in rows], [r.blocks for r in rows], self.cache.block_size, self.device)
-        emb = self.model.embed(torch.tensor([t for r in rows for t in r.next_tokens], device=self.device))
+        emb = self.model.embed(to_device([t for r in rows for t in r.next_tokens], torch.int64, self.device))
         hidden = torch.cat([r.hidden for r in rows])
         out, sel = self.forward_mtp(emb, hidden, self._ctx(md), return_selection=True)
         want = [i for i, r in enumerate(rows) if r.params is not None]
         results: list = [None] * len(rows)
         if not want:
             return results
-        last = torch.tensor([md.query_start_loc_cpu[i + 1] - 1 for i in want], device=self.device)
+        last = to_device([md.query_start_loc_cpu[i + 1] - 1 for i in want], torch.int64, self.device)
         h, sel = out[last], sel[last]
         drafts = {i: [] for i in want}
         probs = {i: [] for i in want}
@@ -144,7 +144,7 @@ class MtpDrafter:
             fits = [p < self._capacity(rows[i]) for p, i in zip(pos, want)]
             dmd = build_metadata([1] * len(want), pos, len(want), [rows[i].slot if f else -1 for i, f in zip(want, fits)],
                                  [rows[i].blocks for i in want], self.cache.block_size, self.device)
-            emb = self.model.embed(torch.tensor(toks, device=self.device))
+            emb = self.model.embed(to_device(toks, torch.int64, self.device))
             h = self.forward_mtp(emb, h, self._ctx(dmd), selection=sel)
         for i in want:
             results[i] = (drafts[i], torch.stack(probs[i]) if probs[i] else None)
