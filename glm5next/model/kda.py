@@ -285,9 +285,8 @@ class KimiDeltaAttention(nn.Module):
         """Delta-rule outputs [L, H, V] of the step's prefill chunks, laid end to end; eager.
 
         mixed: [L, 3HK] pre-conv rows; decay: [L, H, K] fp32; beta: [L, H] fp32. A sequence with no cached
-        tokens starts from zeros (its slot's old contents are ignored), any other from its slot. On CUDA in
-        16 bits the delta rule of every chunk runs in one fused launch (`kernels.kda.prefill`, outputs in
-        the model dtype); otherwise each chunk runs the fp32 chunked form.
+        tokens starts from zeros (its slot's old contents are ignored), any other from its slot. Each chunk
+        runs the fp32 chunked form (16-bit steps on a GPU take `_prefill_on_kernels` instead).
         """
         keep = self.conv_kernel - 1
         nd, n = md.num_decodes, md.num_prefills
@@ -310,19 +309,14 @@ class KimiDeltaAttention(nn.Module):
         for i, f in enumerate(fresh):
             if f:
                 initial[i].zero_()
-        if mixed.is_cuda and mixed.dtype != torch.float32:
-            cu = to_device([x - base for x in starts[nd : nd + n + 1]], torch.int64, mixed.device)
-            out, final = kda_prefill(q, k, v, decay, beta, initial, cu, self.lower_bound, mixed.dtype)
-        else:
-            outs, finals = [], []
-            for i in range(n):
-                a, b = starts[nd + i] - base, starts[nd + i + 1] - base
-                o, f = kda_chunked(q[a:b], k[a:b], v[a:b], decay[a:b], beta[a:b], initial[i])
-                outs.append(o)
-                finals.append(f)
-            out, final = torch.cat(outs), torch.stack(finals)
-        state.recurrent.index_copy_(0, slot_ids, final)
-        return out
+        outs, finals = [], []
+        for i in range(n):
+            a, b = starts[nd + i] - base, starts[nd + i + 1] - base
+            o, f = kda_chunked(q[a:b], k[a:b], v[a:b], decay[a:b], beta[a:b], initial[i])
+            outs.append(o)
+            finals.append(f)
+        state.recurrent.index_copy_(0, slot_ids, torch.stack(finals))
+        return torch.cat(outs)
 
     def extra_repr(self) -> str:
         return f"layer={self.layer_idx}, heads={self.num_heads}, head_dim={self.head_dim}, conv={self.conv_kernel}"
