@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...checkpoint.fp8 import FP8_BLOCK, FP8_DTYPE, scale_shape
+from ...checkpoint.fp8 import FP8_DTYPE, scale_shape
 
 BLOCK_N = 32
 BLOCK_K = 128
@@ -46,7 +46,6 @@ def widen_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype,
                          f"{tuple(weight.shape)} (expected {scale_shape(tuple(weight.shape))})")
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"widen_fp8 writes bf16, fp16 or fp32, not {dtype}")
-    assert FP8_BLOCK % BLOCK_N == 0 and FP8_BLOCK % BLOCK_K == 0
     n, k = weight.shape
     if out is None:
         out = torch.empty(n, k, dtype=dtype, device=weight.device)

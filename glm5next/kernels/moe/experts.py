@@ -45,6 +45,13 @@ def _product(x, w, scale, F32: tl.constexpr, HALF: tl.constexpr):
 
 
 @triton.jit
+def _swiglu(acc_g, acc_u, limit):
+    """The clamped SwiGLU of the gate and up products: silu(min(g, limit)) * clamp(u, -limit, limit)."""
+    g = tl.minimum(acc_g, limit)
+    return g * tl.sigmoid(g) * tl.minimum(tl.maximum(acc_u, -limit), limit)
+
+
+@triton.jit
 def gate_up_kernel(x_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr,
                    slot_expert_ptr, slot_start_ptr, slot_count_ptr, rows_ptr, n_slots_ptr,
                    shared_wg, shared_wu, shared_sg, shared_su,
@@ -91,9 +98,7 @@ def gate_up_kernel(x_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr,
                 su = 1.0
             acc_g += _product(x, wg, sg, F32, HALF)
             acc_u += _product(x, wu, su, F32, HALF)
-        g = tl.minimum(acc_g, limit)
-        u = tl.minimum(tl.maximum(acc_u, -limit), limit)
-        h = g * tl.sigmoid(g) * u
+        h = _swiglu(acc_g, acc_u, limit)
         tl.store(h_ptr + p[:, None] * N + n[None, :], h.to(h_ptr.dtype.element_ty),
                  mask=rmask[:, None] & nmask[None, :])
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .experts import _offset
+from .experts import _offset, _swiglu
 
 
 @triton.jit
@@ -82,9 +82,7 @@ def gate_up_rows_kernel(x_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr,
             su = 1.0
         acc_g += _wx(wg, xt, sg, F32, HALF)
         acc_u += _wx(wu, xt, su, F32, HALF)
-    g = tl.minimum(acc_g, limit)
-    u = tl.minimum(tl.maximum(acc_u, -limit), limit)
-    h = g * tl.sigmoid(g) * u
+    h = _swiglu(acc_g, acc_u, limit)
     tl.store(h_ptr + p[None, :] * N + n[:, None], h.to(h_ptr.dtype.element_ty), mask=nmask[:, None] & rmask[None, :])
 
 
