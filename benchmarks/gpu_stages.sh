@@ -5,7 +5,7 @@
 # attention's tiles on a prefill chunk, the executor's GPU tests with every stage on. PART=3: prefill (its
 # GPU tests, the slice's 8192-token prompt by sublayer and kernel, the GPU's idle time between its kernels
 # and what the host did then, before a change too). PART=4: the prefill experts' plans against the form
-# before and torch._grouped_mm, and their TMA form. PART=5: the boundary's plans over long rows, the engine
+# before, torch._grouped_mm and their TMA form. PART=5: the boundary's plans over long rows, the engine
 # end to end (steady decode against the captured step, host time, prefill of 1K / 8K / 32K prompts alone
 # and 8 together).
 # A fresh machine compiles every kernel first: the first part run there needs the longest limits. Logs
@@ -30,8 +30,7 @@ run prefill-gaps 90 python benchmarks/prefill_gaps.py --tokens 8192 --out "$OUT/
 [ -d benchmarks/.base ] && PYTHONPATH=benchmarks/.base:${PYTHONPATH#.:} run prefill-base 120 \
   python benchmarks/profile_prefill.py --tokens 8192 --out "$OUT/prefill-base.json"
 elif [ "${PART:-1}" = 4 ]; then
-run moe-prefill 120 python benchmarks/moe_prefill.py --out "$OUT/moe-prefill.json"
-run moe-prefill-tma 150 python benchmarks/moe_prefill_tma.py --out "$OUT/moe-prefill-tma.json"
+run moe-prefill 240 python benchmarks/moe_prefill.py --out "$OUT/moe-prefill.json"
 elif [ "${PART:-1}" = 5 ]; then
 run boundary-rows 140 python benchmarks/boundary_rows.py --out "$OUT/boundary-rows.json"
 run e2e 420 python -m glm5next.bench.cli --mode specialized --tokens 1,4,16,64 --concurrency 1,4,16,64 \

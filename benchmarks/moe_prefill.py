@@ -2,7 +2,8 @@
 and shared experts) at real shapes, one MoE layer of the slice, against a cuBLAS bf16 GEMM of the same
 FLOPs and `torch._grouped_mm` over bf16 copies of the experts, for several launch plans; also the decode
 kernels (`experts_forward`, the weight tile the right operand of each product) over the same row tiles,
-the form prefill used before `kernels/moe/prefill.py`.
+the form prefill used before `kernels/moe/prefill.py`, and the experiment of `moe_prefill_tma.py` (every
+operand a TMA box).
 
     python benchmarks/moe_prefill.py [--tokens 2048,8192] [--no-peer] [--out moe-prefill.json]
 
@@ -21,9 +22,11 @@ import time
 import torch
 
 from glm5next.bench.slice import build_slice_model, slice_config
-from glm5next.kernels.moe import (MAX_TOKENS, ExpertWeights, MoePlan, PrefillPlan, experts_forward, group_rows,
-                                  moe_prefill, prefill_experts, prefill_plan)
+from glm5next.kernels.moe import (MAX_TOKENS, PREFILL_CHUNK, ExpertWeights, MoePlan, PrefillPlan, experts_forward,
+                                  group_rows, moe_prefill, prefill_experts, prefill_plan)
 from kda_prefill import log, median_ms
+from moe_prefill_tma import VARIANTS as TMA_VARIANTS
+from moe_prefill_tma import experts as tma_experts
 from moe_stage import GroupedMmPeer
 
 PLANS = {  # name: PrefillPlan(block_m, block_n, down_block_n, block_k, warps, stages, half)
@@ -72,13 +75,17 @@ def main() -> None:
         cublas_ms = median_ms(lambda: (torch.matmul(a, b1), torch.matmul(h, b2)), 7)
         row = {"tokens": t, "tflop": flops / 1e12, "cublas_bf16_ms": cublas_ms, "plans": {}}
 
-        def before(xin=x):
-            out = torch.empty_like(xin)
-            for a in range(0, t, 4096):
-                b = min(t, a + 4096)
-                r = group_rows(ids[a:b], weights[a:b], e, BEFORE.block_m)
-                experts_forward(xin[a:b], w, r, limit, BEFORE, out=out[a:b])
+        def chunked(block_m, run, like):
+            """`run(rows, their routing, out rows)` over chunks of at most PREFILL_CHUNK tokens, as moe_prefill
+            cuts them: [T, D] like `like`."""
+            out = torch.empty_like(like)
+            for a in range(0, t, PREFILL_CHUNK):
+                rows = slice(a, min(t, a + PREFILL_CHUNK))
+                run(rows, group_rows(ids[rows], weights[rows], e, block_m), out[rows])
             return out
+
+        def before(xin=x):
+            return chunked(BEFORE.block_m, lambda s, r, o: experts_forward(xin[s], w, r, limit, BEFORE, out=o), xin)
 
         want = before()
         den = want.float().abs().max()
@@ -86,19 +93,14 @@ def main() -> None:
         forms = {"decode kernels (before)": before}
         for name, plan in PLANS.items():
             forms[name] = lambda plan=plan: moe_prefill(x, ids, weights, w, limit, plan)
-
-        def fp16_once(plan=production):
-            """The shipped plan on activations converted to fp16 once (bf16 -> fp16 is exact in fp16's range),
-            instead of every gate|up program converting its tile at every K step."""
-            out = torch.empty_like(x)
-            x16 = x.to(torch.float16)
-            for a in range(0, t, 4096):
-                b = min(t, a + 4096)
-                r = group_rows(ids[a:b], weights[a:b], e, plan.block_m)
-                prefill_experts(x16[a:b], w, r, limit, plan, out=out[a:b])
-            return out
-
-        forms["shipped plan, activations fp16 once"] = fp16_once
+        # The shipped plan on activations converted to fp16 once (bf16 -> fp16 is exact in fp16's range) instead
+        # of every gate|up program converting its tile at every K step.
+        x16 = x.to(torch.float16)
+        forms["shipped plan, activations fp16 once"] = lambda: chunked(
+            production.block_m, lambda s, r, o: prefill_experts(x16[s], w, r, limit, production, out=o), x)
+        for name, cfg in TMA_VARIANTS.items():
+            forms[name] = lambda cfg=cfg: chunked(
+                cfg[0], lambda s, r, o: o.copy_(tma_experts(x[s], w, r, limit, *cfg)), x)
         for name, fn in forms.items():
             try:
                 ms = median_ms(fn, 7)

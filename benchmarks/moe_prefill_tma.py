@@ -10,19 +10,17 @@ shared expert's as its own [N, K]), and gate|up writes h in the same order, whic
 Products and numerics as the shipped plan (the widened weight the left operand, fp16 products, fp32
 accumulation, one block scale per K step).
 
-    python benchmarks/moe_prefill_tma.py --check            # the interpreter against moe_prefill (CPU)
-    python benchmarks/moe_prefill_tma.py [--tokens 2048,8192] [--out moe-prefill-tma.json]    # on a GPU
+    python benchmarks/moe_prefill_tma.py        # the interpreter against moe_prefill (CPU)
+
+On a GPU, `benchmarks/moe_prefill.py` times `VARIANTS` beside the shipped plan.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
-import time
 
-if "--check" in sys.argv:
+if __name__ == "__main__":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch
@@ -30,8 +28,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from glm5next.kernels.moe import ExpertWeights, Routing, group_rows, moe_prefill, prefill_plan
-from glm5next.kernels.moe.experts import _offset, combine_kernel
+from glm5next.kernels.moe import ExpertWeights, Routing, group_rows, moe_prefill
+from glm5next.kernels.moe.experts import _offset, _swiglu, combine_kernel
 
 
 @triton.jit
@@ -78,9 +76,7 @@ def gate_up_tma_kernel(xd, gd, ud, shared_gd, shared_ud, sg_ptr, su_ptr, h_ptr,
     else:
         acc_g, acc_u = _gate_up_loop(xd, gd, ud, start, e * N + pid_n * BLOCK_N, sg, su, K, F32,
                                      BLOCK_M, BLOCK_N, BLOCK_K)
-    g = tl.minimum(acc_g, limit)
-    u = tl.minimum(tl.maximum(acc_u, -limit), limit)
-    h = g * tl.sigmoid(g) * u
+    h = _swiglu(acc_g, acc_u, limit)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     r = tl.arange(0, BLOCK_M)
     tl.store(h_ptr + (start + r)[None, :] * N + n[:, None], h.to(h_ptr.dtype.element_ty),
@@ -178,7 +174,7 @@ def check() -> None:
         assert err < 1e-5, err
 
 
-VARIANTS = {  # name: (block_m, block_n, down_block_n, block_k, warps, stages)
+VARIANTS = {  # name: (block_m, block_n, down_block_n, block_k, warps, stages): `experts`' arguments after limit
     "tma m64 n64/64 k128 w4 s3": (64, 64, 64, 128, 4, 3),
     "tma m64 n64/64 k128 w4 s4": (64, 64, 64, 128, 4, 4),
     "tma m64 n128/128 k128 w8 s3": (64, 128, 128, 128, 8, 3),
@@ -187,63 +183,5 @@ VARIANTS = {  # name: (block_m, block_n, down_block_n, block_k, warps, stages)
 }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--check", action="store_true")
-    ap.add_argument("--tokens", default="2048,8192")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    if args.check:
-        check()
-        return
-    from glm5next.bench.slice import build_slice_model, slice_config  # noqa: PLC0415 - GPU runs only
-    from kda_prefill import log, median_ms  # noqa: PLC0415
-
-    dev = torch.device("cuda")
-    model = build_slice_model(slice_config(num_layers=4), dev)
-    moe = model.layers[3].mlp
-    w = ExpertWeights.of(moe)
-    limit = moe.experts.swiglu_limit
-    e = w.gate.shape[0]
-    result = {"gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-              "shipped": prefill_plan(dev).describe(), "rows": []}
-    gen = torch.Generator(device=dev).manual_seed(0)
-    for t in (int(v) for v in args.tokens.split(",")):
-        x = (torch.randn(t, w.gate.shape[2], generator=gen, device=dev) * 0.5).to(torch.bfloat16)
-        with torch.no_grad():
-            ids, weights = moe.gate(x)
-        want = moe_prefill(x, ids, weights, w, limit).float()
-        exact = moe_prefill(x.float(), ids, weights, w, limit).float()
-        row = {"tokens": t, "forms": {}}
-
-        def note(name, fn):
-            try:
-                ms = median_ms(fn, 7)
-                got = fn().float()
-            except Exception as exc:  # noqa: BLE001 - a plan the compiler refuses is part of the result
-                row["forms"][name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
-                log(f"T={t} {name}: {row['forms'][name]['error']}")
-                return
-            err = float((got - want).abs().max() / want.abs().max())
-            rms = float((got - exact).pow(2).mean().sqrt() / exact.pow(2).mean().sqrt())
-            row["forms"][name] = {"ms": ms, "err_vs_shipped": err, "rms_vs_fp32": rms}
-            log(f"T={t} {name}: {ms:.2f} ms, vs shipped {err:.1e}, RMS vs fp32 {rms:.1e}")
-
-        note("shipped", lambda: moe_prefill(x, ids, weights, w, limit))
-        for name, (bm, bn, dn, bk, warps, stages) in VARIANTS.items():
-            def run(bm=bm, bn=bn, dn=dn, bk=bk, warps=warps, stages=stages):
-                out = torch.empty_like(x)
-                for a in range(0, t, 4096):
-                    b = min(t, a + 4096)
-                    r = group_rows(ids[a:b], weights[a:b], e, bm)
-                    out[a:b] = experts(x[a:b], w, r, limit, bm, bn, dn, bk, warps, stages)
-                return out
-            note(name, run)
-        result["rows"].append(row)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-
-
 if __name__ == "__main__":
-    main()
+    check()
