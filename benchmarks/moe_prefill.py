@@ -23,7 +23,7 @@ import torch
 
 from glm5next.bench.slice import build_slice_model, slice_config
 from glm5next.kernels.moe import (MAX_TOKENS, PREFILL_CHUNK, ExpertWeights, MoePlan, PrefillPlan, experts_forward,
-                                  group_rows, moe_prefill, prefill_experts, prefill_plan)
+                                  group_rows, moe_prefill, prefill_plan)
 from kda_prefill import log, median_ms
 from moe_prefill_tma import VARIANTS as TMA_VARIANTS
 from moe_prefill_tma import experts as tma_experts
@@ -93,11 +93,6 @@ def main() -> None:
         forms = {"decode kernels (before)": before}
         for name, plan in PLANS.items():
             forms[name] = lambda plan=plan: moe_prefill(x, ids, weights, w, limit, plan)
-        # The shipped plan on activations converted to fp16 once (bf16 -> fp16 is exact in fp16's range) instead
-        # of every gate|up program converting its tile at every K step.
-        x16 = x.to(torch.float16)
-        forms["shipped plan, activations fp16 once"] = lambda: chunked(
-            production.block_m, lambda s, r, o: prefill_experts(x16[s], w, r, limit, production, out=o), x)
         for name, cfg in TMA_VARIANTS.items():
             forms[name] = lambda cfg=cfg: chunked(
                 cfg[0], lambda s, r, o: o.copy_(tma_experts(x[s], w, r, limit, *cfg)), x)

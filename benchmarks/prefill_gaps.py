@@ -7,10 +7,10 @@ The prompt runs through the runner's eager step in chunks (as `profile_prefill.p
 under `torch.profiler` with CPU and CUDA activities and Python stacks. GPU activity (kernels, copies, memsets)
 merged into busy intervals; every idle interval of at least `--min-gap-us` between the first and the last
 kernel is a gap. A gap whose start a host synchronisation ended at (a CPU event naming Synchronize, a
-device-to-host copy, `aten::item` / `aten::_local_scalar_dense`, running when the GPU went idle) is charged to
+blocking cudaMemcpy, `aten::item` / `aten::_local_scalar_dense`, running when the GPU went idle) is charged to
 that call's innermost glm5next frame: the host waited for the queue to drain and the GPU then waited for the
 host. Other gaps are charged to the kernel that ended them (the host was slower than the GPU there). Reports
-the idle total against the prefill's wall time and the largest causes.
+the idle total against the prefill's wall time, the largest causes, and where the host synchronised.
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ from glm5next.runtime.runner import Runner
 from profile_prefill import prefill
 from profile_step import short_name
 
-SYNC_MARKERS = ("Synchronize", "aten::item", "aten::_local_scalar_dense", "cudaMemcpy", "cuMemcpy")
+SYNC_MARKERS = ("Synchronize", "aten::item", "aten::_local_scalar_dense")
+"""CPU events that wait for the GPU (an asynchronous copy, cudaMemcpyAsync, does not; a pageable one is
+followed by a stream synchronisation)."""
 
 
 def own_frame(stack: list[str]) -> str:
@@ -80,7 +82,7 @@ def main() -> None:
     first, last = min(a for a, _ in busy), max(b for _, b in busy)
     gaps = gaps_of(busy, args.min_gap_us)
     cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
-    syncs = [e for e in cpu if any(m in e.name for m in SYNC_MARKERS)]
+    syncs = [e for e in cpu if any(m in e.name for m in SYNC_MARKERS) or e.name == "cudaMemcpy"]
     framed = sorted((e for e in cpu if e.stack), key=lambda e: e.time_range.start)
     framed_starts = [e.time_range.start for e in framed]
 
@@ -114,12 +116,23 @@ def main() -> None:
     top = sorted(by_cause.items(), key=lambda kv: -kv[1][0])[: args.top]
     for cause, (us, n) in top:
         print(f"  {us / 1e3:8.2f} ms {n:5d} gaps  {cause[:150]}")
+    sites: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in syncs:
+        site = sites[f"{frame_of(e)} ({e.name})"]
+        site[0] += e.time_range.end - e.time_range.start
+        site[1] += 1
+    sync_sites = sorted(sites.items(), key=lambda kv: -kv[1][1])[: args.top]
+    print("host syncs by site (count, host time blocked):")
+    for site, (us, n) in sync_sites:
+        print(f"  {n:5d} {us / 1e3:8.2f} ms  {site[:150]}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(dev), "date": time.strftime("%Y-%m-%d"), "tokens": args.tokens,
                        "chunk": args.chunk, "wall_s": wall, "span_s": span / 1e6, "idle_s": idle / 1e6,
                        "gaps": len(gaps), "syncs": len(syncs),
-                       "causes": [{"cause": c, "s": us / 1e6, "gaps": n} for c, (us, n) in top]}, f, indent=1)
+                       "causes": [{"cause": c, "s": us / 1e6, "gaps": n} for c, (us, n) in top],
+                       "sync_sites": [{"site": c, "s": us / 1e6, "count": n} for c, (us, n) in sync_sites]}, f,
+                      indent=1)
 
 
 if __name__ == "__main__":

@@ -343,11 +343,14 @@ def prefill_experts(x: torch.Tensor, w: ExpertWeights, r: Routing, limit: float,
     offs = w.shared_offsets()
     pairs = t * top_k + t
     h = torch.empty(pairs, n_inter, dtype=torch.float16 if half else x.dtype, device=dev)
+    # fp16 products: the activations converted once here rather than by every program at every K step (the
+    # same values: the kernel's conversion, hoisted).
+    xin = x.to(torch.float16) if half else x
     consts = dict(TOP_K=top_k, HAS_SCALE=w.scaled, F32=f32, HALF=half, BLOCK_M=plan.block_m, BLOCK_K=plan.block_k,
                   num_warps=plan.num_warps, num_stages=plan.num_stages)
     gate_up_rows_kernel[(triton.cdiv(n_inter, plan.block_n), r.max_slots)](
-        x, w.gate, w.up, w.gate_scale, w.up_scale, h, r.slot_expert, r.slot_start, r.slot_count, r.rows,
-        r.n_slots, offs[0], offs[1], offs[3], offs[4], t, n_inter, d, x.stride(0), float(limit),
+        xin, w.gate, w.up, w.gate_scale, w.up_scale, h, r.slot_expert, r.slot_start, r.slot_count, r.rows,
+        r.n_slots, offs[0], offs[1], offs[3], offs[4], t, n_inter, d, xin.stride(0), float(limit),
         BLOCK_N=plan.block_n, **consts)
     y = torch.empty(pairs, d, dtype=torch.float32, device=dev)
     down_rows_kernel[(triton.cdiv(d, plan.down_block_n), r.max_slots)](
