@@ -223,6 +223,26 @@ def test_abort_waiting_and_running_frees_everything():
     assert_all_free(sched.block_manager)
 
 
+def test_finish_ends_running_and_waiting_requests():
+    """The engine stops a request on a stop string or token; with asynchronous scheduling the request may have
+    been preempted (waiting) by the time its stop token lands."""
+    requests = make_requests(12, seed=4)
+    sched = Scheduler(BlockManager(200, 4, 4), 4, 16)
+    for r in requests:
+        sched.add_request(r)
+    engine = FakeEngine(sched)
+    for _ in range(3):
+        sched.update(out := sched.schedule(), engine.step(out))
+    running, waiting = sched.running[0], sched.waiting[0]
+    sched.finish(running.request_id, "stop")
+    sched.finish(waiting.request_id, "stop")
+    for r in (running, waiting):
+        assert r.state is RequestState.FINISHED and r.finish_reason == "stop" and r.slot is None
+        assert r not in sched.running and r not in sched.waiting and r.request_id not in sched.requests
+    drain(sched, engine)
+    assert_all_free(sched.block_manager)
+
+
 def test_abort_between_schedule_and_update_is_skipped():
     sched = Scheduler(BlockManager(32, 2, 4), 2, 16)
     a, b = Request("a", [1, 2, 3], 4), Request("b", [4, 5], 4)

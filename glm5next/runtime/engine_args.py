@@ -53,6 +53,9 @@ class EngineArgs:
     policy: str | None = field(default=None, metadata=_option("a policy JSON written by `glm5next tune-policy`"))
     speculative_config: str | dict | None = field(default=None, metadata=_option(
         'MTP speculative decoding, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\''))
+    async_scheduling: bool = field(default=True, metadata=_option(
+        "schedule and launch each step while the one before runs (plain steps on one process; the default) "
+        "instead of after its tokens came back", flag="--no-async-scheduling", action="store_false"))
     tensor_parallel_size: int = field(default=1, metadata=_option(
         "processes (one per GPU) the model is split over; outside torchrun, LLM and the command start the others",
         type=int, aliases=["-tp"]))

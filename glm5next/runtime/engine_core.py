@@ -5,6 +5,11 @@ graphs for pure-decode steps), the cache it sized from a memory budget, the
 device-side sampler, and per-request detokenization and stop checks. Both
 `LLM.generate` and the asynchronous engine behind the server drive it.
 
+Plain steps are scheduled asynchronously (`async_scheduling`, the default on one process without speculative
+decoding): step n + 1 is planned and launched while step n runs, its rows' last tokens read on the device from
+step n's samples, and step n's outputs follow once its tokens are on the host, so the GPU does not wait for the
+host between steps. A request that stopped at step n has run one token too many in step n + 1; it is dropped.
+
 With `tensor_parallel_size=N` (under `torchrun`, one process per device) every rank builds the
 engine over its shards; rank 0 schedules and drives the others' forwards (see `driver`), and the
 other ranks serve in `follow()`.
@@ -31,7 +36,7 @@ from .detokenizer import IncrementalDetokenizer
 from .engine_args import EngineArgs
 from .draft_graph import DraftGraphs
 from .driver import DrivenRunner, follow
-from .runner import Runner, check_capture_sizes
+from .runner import Runner, TokenPatch, check_capture_sizes
 from .sampler import SamplingParams
 from .scheduler import BlockManager, Request, Scheduler
 from .spec_step import follow_spec, spec_step
@@ -40,6 +45,9 @@ from .speculative import MtpDrafter, SpeculativeConfig
 logger = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+
+PLACEHOLDER = -1
+"""A generated token whose value is still on the device: its step is in flight (asynchronous scheduling)."""
 
 
 @dataclass
@@ -85,6 +93,24 @@ class _Live:
     """[k, vocab] the draft distributions the drafts were drawn from (sampled requests)."""
     generator: torch.Generator | None = None
     """Speculative decoding: the request's own random stream for drafts and acceptance."""
+
+
+@dataclass
+class _InFlight:
+    """A launched plain step whose sampled tokens have not reached the host yet."""
+
+    reqs: list[Request]
+    """The requests that sampled a token, in step order."""
+    places: list[int]
+    """Where each one's token goes in its `token_ids` (a `PLACEHOLDER` until the step lands)."""
+    ended: set[str]
+    """Requests the scheduler ended when the step was planned (their token reached max_tokens)."""
+    tokens: torch.Tensor | None
+    """[len(reqs)] int64 on the device: what the next step's `TokenPatch` reads."""
+    host: list[torch.Tensor]
+    """Host copies (pinned on a GPU) of the tokens, then, where asked, the chosen tokens' log-probabilities and
+    the top log-probabilities' values and ids; valid once `ready` has passed."""
+    ready: torch.cuda.Event | None
 
 
 class LLMEngine:
@@ -180,6 +206,9 @@ class LLMEngine:
         self._live: dict[str, _Live] = {}
         self.stats = {"steps": 0, "graph_steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "preemptions": 0,
                       "verify_rows": 0, "drafted": 0, "accepted": 0, "accepted_at": [0] * k}
+        self.overlap = args.async_scheduling and not self.spec and self.tp.size == 1
+        """Plain steps scheduled and launched while the step before runs (`_step_overlapped`)."""
+        self._in_flight: _InFlight | None = None
         self.host_times = self.runner.host_times
         """Host time of plain steps by part (`HostTimes`): the runner's, which charges `inputs` (a tensor-parallel
         driver's broadcast included) and `launch`; the step loop the rest."""
@@ -283,12 +312,16 @@ class LLMEngine:
     # -------------------------------------------------------------------- step
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Run one model step; the outputs of the requests that gained a token (finished ones included)."""
+        """Run one model step; the outputs of the requests that gained a token (finished ones included). With
+        `overlap`, a call launches the next step and then returns the outputs of the one launched before."""
         self._check_driver()
         if not self._live:
+            self._in_flight = None  # only ended requests were in it
             return []
         if self.spec:
             return spec_step(self)
+        if self.overlap:
+            return self._step_overlapped()
         times = self.host_times
         times.start()
         out = self.scheduler.schedule()
@@ -348,6 +381,11 @@ class LLMEngine:
         """Next tokens (and raw logprobs when any row asks) for `rows` of `logits`; one host sync."""
         if not rows:
             return [], None, None
+        return self._lists(self._sample_on_device(logits, rows, reqs))
+
+    def _sample_on_device(self, logits: torch.Tensor, rows: list[int], reqs: list[Request]) -> list[torch.Tensor]:
+        """The next tokens [R] of `rows` of `logits`, then, when any row asks for logprobs, the chosen tokens'
+        raw log-probabilities [R] and the top ones' values and ids [R, w]: device tensors, no host sync."""
         lg = logits[to_device(rows, torch.int64, logits.device)] if len(rows) != logits.shape[0] else logits
         params = [self._live[r.request_id].params for r in reqs]
         if all(p.greedy for p in params):
@@ -357,18 +395,126 @@ class LLMEngine:
             tok, _ = self.sampler.sample(lg, self.sampler.plan(params, lg.device), steps)
         want = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         if want is None:
-            return tok.tolist(), None, None
+            return [tok]
         lp = torch.log_softmax(lg, dim=-1)
-        chosen = lp.gather(1, tok[:, None]).squeeze(1)
         top_v, top_i = lp.topk(max(want, 1), dim=-1)
-        tops = [list(zip(i, v)) for i, v in zip(top_i.tolist(), top_v.tolist())]
-        return tok.tolist(), chosen.tolist(), tops
+        return [tok, lp.gather(1, tok[:, None]).squeeze(1), top_v, top_i]
+
+    @staticmethod
+    def _lists(sampled: list[torch.Tensor]):
+        """(tokens, chosen log-probabilities or None, top (id, log-probability) pairs per row or None) as
+        Python lists from `_sample_on_device`'s tensors (or their host copies)."""
+        if len(sampled) == 1:
+            return sampled[0].tolist(), None, None
+        tok, chosen, top_v, top_i = sampled
+        return tok.tolist(), chosen.tolist(), [list(zip(i, v)) for i, v in zip(top_i.tolist(), top_v.tolist())]
+
+    # ---------------------------------------------------- asynchronous scheduling
+    def _step_overlapped(self) -> list[RequestOutput]:
+        """Plan and launch the next step while the one launched before runs, then land that one: the GPU
+        never waits for the host between plain steps. The next step is planned as if every request of the
+        step in flight gained its token (a `PLACEHOLDER` until it lands; the step reads the value on the
+        device through a `TokenPatch`); a request that turns out to have stopped has run one token too many,
+        which is dropped. The same tokens as one step at a time (greedy and seeded sampling)."""
+        times = self.host_times
+        times.start()
+        before, self._in_flight = self._in_flight, None
+        if self.scheduler.has_unfinished:
+            out = self.scheduler.schedule()
+            self.stats["preemptions"] += len(out.preempted)
+            times.lap("schedule")
+            if out.scheduled:
+                self._in_flight = self._launch(out, before)
+            elif before is None:
+                raise RuntimeError("the scheduler could not place any request in the cache")
+        if before is None:
+            return []
+        return self._land(before)
+
+    def _launch(self, out, before: _InFlight | None) -> _InFlight:
+        """Run the step `out` (its tokens still on the device read there), sample on the device, start the
+        copies of the samples to the host, and advance the scheduler as if they were known."""
+        times = self.host_times
+        items = [(r.token_ids, r.num_computed, n, r.slot, r.block_ids) for r, n in out.scheduled]
+        replays = self.runner.num_replays
+        logits = self.runner.execute(items, len(out.decodes), patch=self._patch(out, before))
+        self.stats["graph_steps"] += self.runner.num_replays - replays
+        self.stats["steps"] += 1
+        rows = [i for i, (r, n) in enumerate(out.scheduled) if r.num_computed + n == len(r.token_ids)]
+        reqs = [out.scheduled[i][0] for i in rows]
+        sampled = self._sample_on_device(logits, rows, reqs) if rows else []
+        if sampled and sampled[0].is_cuda:
+            host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in sampled]
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            host, ready = sampled, None
+        places = [len(r.token_ids) for r in reqs]
+        ended = self.scheduler.update(out, {r.request_id: PLACEHOLDER for r in reqs})
+        times.lap("sample")
+        return _InFlight(reqs, places, {r.request_id for r in ended}, sampled[0] if sampled else None, host, ready)
+
+    @staticmethod
+    def _patch(out, before: _InFlight | None) -> TokenPatch | None:
+        """Where the step `out` runs a token of the step in flight `before`, and that token on the device."""
+        if before is None or not before.reqs:
+            return None
+        index = {id(r): k for k, r in enumerate(before.reqs)}
+        at, src, pos = [], [], 0
+        for r, n in out.scheduled:
+            k = index.get(id(r))
+            if k is not None and r.num_computed <= before.places[k] < r.num_computed + n:
+                at.append(pos + before.places[k] - r.num_computed)
+                src.append(k)
+            pos += n
+        if not at:
+            return None
+        dev = before.tokens.device
+        return TokenPatch(to_device(at, torch.int64, dev), before.tokens[to_device(src, torch.int64, dev)])
+
+    def _land(self, done: _InFlight) -> list[RequestOutput]:
+        """The outputs of the step `done` once its tokens are on the host: each token in place of its
+        placeholder, then the stop checks and outputs of a plain step."""
+        times = self.host_times
+        if done.ready is not None:
+            done.ready.synchronize()
+        times.lap("sample")
+        tokens, logprobs, tops = self._lists(done.host) if done.host else ([], None, None)
+        results = []
+        for k, req in enumerate(done.reqs):
+            live = self._live.get(req.request_id)
+            if live is None or live.request is not req:
+                continue  # aborted, or stopped at the step before
+            at = done.places[k]
+            req.token_ids[at] = tokens[k]
+            if logprobs is not None and live.params.logprobs is not None:
+                live.logprobs.append(logprobs[k])
+                live.top_logprobs.append(tops[k][: live.params.logprobs])
+            reason = "length" if req.request_id in done.ended else None
+            if self._stops(live, tokens[k]):
+                reason = "stop"
+            if reason is not None and live.detok is not None and live.detok.flush():
+                reason = "stop"
+            if reason is not None:
+                del req.token_ids[at + 1 :]  # the step in flight ran one token past the end: dropped
+                if self.scheduler.requests.get(req.request_id) is req:
+                    self.scheduler.finish(req.request_id, reason)
+                req.finish_reason = reason
+                del self._live[req.request_id]
+            results.append(self._output(live, reason))
+        self.stats["generated_tokens"] += len(results)
+        times.lap("outputs")
+        times.steps += 1
+        return results
 
     def _output(self, live: _Live, reason: str | None) -> RequestOutput:
         req = live.request
         finished = reason is not None
         text = live.detok.visible(finished) if live.detok is not None else ""
         want = live.params.logprobs is not None
-        comp = CompletionOutput(0, text, list(req.output_token_ids), reason,
+        ids = req.output_token_ids
+        while ids and ids[-1] == PLACEHOLDER:  # tokens of a step in flight
+            ids.pop()
+        comp = CompletionOutput(0, text, ids, reason,
                                 list(live.logprobs) if want else None, list(live.top_logprobs) if want else None)
         return RequestOutput(req.request_id, live.prompt, req.prompt_token_ids, [comp], finished)

@@ -5,7 +5,9 @@ built and copied into the captured graph's static buffers, or for an eager step 
 `launch` (the graph's replay, or the eager forward's launches), `sample` (sampling, ending in the host's
 wait for the sampled tokens: it holds the GPU's share of the step) and `outputs` (the scheduler's update,
 stops, detokenizing and the request outputs). Everything but `sample` is host work the GPU waits on
-while the step loop is serial; `glm5next bench` sets the sum beside the captured step's own time.
+while the step loop is serial; `glm5next bench` sets the sum beside the captured step's own time. With
+asynchronous scheduling the wait for a step's tokens (in `sample`) comes after the next step's launch, and
+the host work of one step overlaps the GPU's work on the step before.
 """
 
 from __future__ import annotations

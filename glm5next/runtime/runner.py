@@ -28,6 +28,20 @@ Item = tuple[list[int], int, int, int, list[int]]
 
 
 @dataclass
+class TokenPatch:
+    """Step tokens the host does not know yet: the tokens a step still in flight samples, run by the next step
+    (the engine schedules step n + 1 while step n runs). `positions` [P] int64 are the places in the step's flat
+    token list, `tokens` [P] int64 their values, both on the step's device; the host's placeholders there are
+    overwritten on the device before the forward reads them."""
+
+    positions: torch.Tensor
+    tokens: torch.Tensor
+
+    def apply(self, input_ids: torch.Tensor) -> None:
+        input_ids.index_copy_(0, self.positions, self.tokens)
+
+
+@dataclass
 class Sequence:
     """One request's tokens and the cache it owns."""
 
@@ -68,6 +82,9 @@ class _StaticInputs:
         self.rows: list[int | None] = [None] * size
         """The version each block-table row of the host mirror holds (None: zeros)."""
         self._versions = 0
+        self.copied = torch.cuda.Event() if device.type == "cuda" else None
+        """Recorded after each copy of the host mirror: the mirror is rewritten only once the copy before has
+        run (with the next step scheduled while one runs, the copy may still be queued)."""
         self.views = {}
         for i, name in enumerate(self.FIELDS):
             self.views[name] = self.device_buf[i * size : (i + 1) * size]
@@ -112,6 +129,8 @@ class _StaticInputs:
             states.append(-1)
             lens.append(q)
         ids += [0] * (size - len(ids))
+        if self.copied is not None:
+            self.copied.synchronize()
         h = self.host_np
         for i, values in enumerate((ids, pos, seq, slots, states, lens)):
             h[i * s : i * s + len(values)] = values
@@ -141,6 +160,8 @@ class _StaticInputs:
         if len(self.by_state) > 2 * max(len(live), 1):  # forget finished sequences now and then
             self.by_state = {st: v for st, v in self.by_state.items() if st in live}
         self.device_buf.copy_(self.host_buf, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
 
 
 class Runner:
@@ -206,17 +227,19 @@ class Runner:
         return out
 
     @torch.inference_mode()
-    def execute(self, items: list[Item], num_decodes: int, allow_graph: bool = True) -> torch.Tensor:
+    def execute(self, items: list[Item], num_decodes: int, allow_graph: bool = True,
+                patch: TokenPatch | None = None) -> torch.Tensor:
         """The fp32 logits [len(items), vocab] of each item's last run token.
 
         Each item is `(token_ids, num_computed, num_tokens, slot, blocks)`: run
         `token_ids[num_computed : num_computed + num_tokens]` after `num_computed`
         cached tokens. The first `num_decodes` items decode one token each.
-        `allow_graph=False` runs the step eagerly even where a graph exists.
+        `allow_graph=False` runs the step eagerly even where a graph exists. `patch`: step positions whose
+        token the host does not know yet, and their values on the device (see `TokenPatch`).
         """
         size = self.graph_size(len(items), num_decodes)
         if allow_graph and size is not None and (self.graphs or self.graph_mode):
-            return self._decode_graph(items, size)
+            return self._replay(items, size, patch)[0]
         query_lens = [n for _, _, n, _, _ in items]
         ids = [t for toks, c, n, _, _ in items for t in toks[c : c + n]]
         md = build_metadata(
@@ -226,6 +249,8 @@ class Runner:
         )
         ctx = ForwardContext({p: md for p in self.prefixes}, md.positions, CUDAGraphMode.NONE)
         ids = to_device(ids, torch.int64, self.device)
+        if patch is not None:
+            patch.apply(ids)
         self.host_times.lap("inputs")
         hidden = self.model(ids, ctx, self.cache)
         last = to_device(md.query_start_loc_cpu[1:], torch.int64, self.device) - 1
@@ -289,8 +314,11 @@ class Runner:
         """Fill the static buffers for `items` (q tokens each) padded with whole rows to `size` tokens."""
         self._ensure_static().load(items, size, self.q, self.cache.block_size)
 
-    def _replay(self, items: list[Item], size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _replay(self, items: list[Item], size: int, patch: TokenPatch | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         self.load_decode(items, size)
+        if patch is not None:
+            patch.apply(self.static.views["input_ids"])
         self.host_times.lap("inputs")
         if size in self.graphs:
             graph, logits, hidden = self.graphs[size]
@@ -301,9 +329,6 @@ class Runner:
         self.host_times.lap("launch")
         n = len(items) * self.q
         return logits[:n], hidden[:n]
-
-    def _decode_graph(self, items: list[Item], size: int) -> torch.Tensor:
-        return self._replay(items, size)[0]
 
     @torch.inference_mode()
     def verify_graph(self, items: list[Item]) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -273,8 +273,12 @@ class Scheduler:
         return True
 
     def finish(self, request_id: str, reason: str) -> None:
-        """End a running request the engine stopped (stop string, stop token) and free its cache."""
-        self._end(self.requests[request_id], RequestState.FINISHED, reason)
+        """End a request the engine stopped (stop string, stop token) and free its cache: a running one, or a
+        waiting one (preempted while the step that sampled its stop token was still running)."""
+        req = self.requests[request_id]
+        if req.state is RequestState.WAITING:
+            self.waiting.remove(req)
+        self._end(req, RequestState.FINISHED, reason)
 
     def _end(self, req: Request, state: RequestState, reason: str) -> None:
         if req.state is RequestState.RUNNING:
