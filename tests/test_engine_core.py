@@ -205,7 +205,9 @@ def test_overlapped_steps_give_the_tokens_of_one_step_at_a_time(tiny_fp32, tiny_
              ("tok", reqs[0][1], SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True,
                                                 stop_token_ids=[stop_tok])),
              ("str", reqs[1][1], SamplingParams(temperature=1.0, seed=7, max_tokens=9, ignore_eos=True, stop=[stop_str])),
-             ("lp", [9, 8, 7], SamplingParams(temperature=0.9, seed=4, max_tokens=5, logprobs=2, ignore_eos=True))]
+             ("lp", [9, 8, 7], SamplingParams(temperature=0.9, seed=4, max_tokens=5, logprobs=2, ignore_eos=True)),
+             ("one", [4, 4], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)),
+             ("ctx", list(range(3, 123)), SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))]
     results = []
     for overlap in (False, True):
         engine = make_engine(tiny_fp32, tiny_dir, async_scheduling=overlap, max_num_batched_tokens=24, block_size=4,
@@ -230,6 +232,7 @@ def test_overlapped_steps_give_the_tokens_of_one_step_at_a_time(tiny_fp32, tiny_
             assert [[t for t, _ in row] for row in a.top_logprobs] == [[t for t, _ in row] for row in b.top_logprobs]
     assert serial["tok"].outputs[0].finish_reason == "stop" and serial["tok"].outputs[0].token_ids[-1] == stop_tok
     assert serial["str"].outputs[0].finish_reason == "stop"
+    assert len(serial["one"].outputs[0].token_ids) == 1 and len(serial["ctx"].outputs[0].token_ids) == 8
 
 
 def test_abort_while_a_step_is_in_flight(tiny_fp32, tiny_dir):
