@@ -7,7 +7,9 @@
 # and what the host did then, before a change too). PART=4: the prefill experts' plans against the form
 # before, torch._grouped_mm and their TMA form. PART=5: the boundary's plans over long rows, the engine
 # end to end (steady decode against the captured step, host time, prefill of 1K / 8K / 32K prompts alone
-# and 8 together).
+# and 8 together). PART=6: the graph tests (asynchronous scheduling through captured graphs against one
+# step at a time), fla's chunk_kda with its chunk list on the device (time, equality, syncs), the 8K prompt
+# and its idle gaps.
 # A fresh machine compiles every kernel first: the first part run there needs the longest limits. Logs
 # gather in $OUT/run.log (few files come back per call). fla travels as a wheel in .whl/ (see the device
 # tool's notes).
@@ -31,6 +33,11 @@ run prefill-gaps 90 python benchmarks/prefill_gaps.py --tokens 8192 --out "$OUT/
   python benchmarks/profile_prefill.py --tokens 8192 --out "$OUT/prefill-base.json"
 elif [ "${PART:-1}" = 4 ]; then
 run moe-prefill 240 python benchmarks/moe_prefill.py --out "$OUT/moe-prefill.json"
+elif [ "${PART:-1}" = 6 ]; then
+run graph-tests 240 python -m pytest -q -m gpu -rfE --tb=short tests/gpu/test_graph_decode.py
+run kda-prefill 90 python benchmarks/kda_prefill.py --out "$OUT/kda-prefill.json"
+run prefill 150 python benchmarks/profile_prefill.py --tokens 8192 --out "$OUT/prefill.json"
+run prefill-gaps 60 python benchmarks/prefill_gaps.py --tokens 8192 --out "$OUT/prefill-gaps.json"
 elif [ "${PART:-1}" = 5 ]; then
 run boundary-rows 140 python benchmarks/boundary_rows.py --out "$OUT/boundary-rows.json"
 run e2e 420 python -m glm5next.bench.cli --mode specialized --tokens 1,4,16,64 --concurrency 1,4,16,64 \

@@ -1,7 +1,9 @@
 """KDA prefill: the delta rule of one KDA layer over prompt chunks at real shapes (64 heads of 128),
 the stock chunked form (`kda_chunked`, PyTorch) against flash-linear-attention's `chunk_kda` (bounded
 gate, `safe_gate`), and the whole KDA sublayer (projections, conv, gates, recurrence, norm, o_proj) as the
-stock module runs it, for one 8192-token prompt and for 8 prompts of 1024.
+stock module runs it, for one 8192-token prompt and for 8 prompts of 1024. fla's call also with its chunk list
+built on the device (`use_graph=True`): its time, whether it equals the default call, and whether either
+synchronises the stream.
 
     python benchmarks/kda_prefill.py [--shapes 1x8192,8x1024] [--out kda-prefill.json]
 
@@ -38,6 +40,21 @@ def median_ms(fn, reps: int = 5) -> float:
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b))
     return statistics.median(times)
+
+
+def synchronises(fn) -> bool:
+    """Whether a call of `fn` (already compiled) synchronises the stream."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+    except RuntimeError as e:
+        if "synchroniz" not in str(e):
+            raise
+        return True
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return False
 
 
 def main() -> None:
@@ -91,21 +108,30 @@ def main() -> None:
             qb, kb, vb = (z.to(torch.bfloat16).unsqueeze(0) for z in (q, k, v))
             init = torch.zeros(n, h, d, d, device=dev)
 
-            def fla():
+            def fla(use_graph=False):
                 return chunk_kda(qb, kb, vb, g.unsqueeze(0), beta.to(torch.bfloat16).unsqueeze(0), scale=1.0,
                                  initial_state=init, output_final_state=True, safe_gate=True,
-                                 lower_bound=attn.lower_bound, cu_seqlens=cu)
+                                 lower_bound=attn.lower_bound, cu_seqlens=cu, use_graph=use_graph)
 
             try:
                 row["fla_ms"] = median_ms(fla)
                 o, s = fla()
                 row["fla_out_err"] = float((o[0].float() - want_o).abs().max() / den_o)
                 row["fla_state_err"] = float((s.float() - want_s).abs().max() / den_s)
+                row["fla_syncs"] = synchronises(fla)
+                # use_graph: fla builds its chunk list on the device (fixed slots, unused ones skipped) instead of
+                # sizing it on the host from the device's cu_seqlens, which synchronises the stream each call.
+                row["fla_device_list_ms"] = median_ms(lambda: fla(True))
+                o2, s2 = fla(True)
+                row["fla_device_list_same"] = bool(torch.equal(o2, o) and torch.equal(s2, s))
+                row["fla_device_list_syncs"] = synchronises(lambda: fla(True))
             except Exception as e:  # noqa: BLE001 - the peer's limits are part of the result
                 row["fla_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         result["rows"].append(row)
         log(f"{n}x{length}: stock {row['stock_ms']:.2f} ms, fla {row.get('fla_ms', row.get('fla_error', why))}; "
-            f"fla err out {row.get('fla_out_err', float('nan')):.1e} state {row.get('fla_state_err', float('nan')):.1e}")
+            f"fla err out {row.get('fla_out_err', float('nan')):.1e} state {row.get('fla_state_err', float('nan')):.1e}"
+            f", syncs {row.get('fla_syncs')}; with its chunk list on the device {row.get('fla_device_list_ms')} ms, "
+            f"the same outputs {row.get('fla_device_list_same')}, syncs {row.get('fla_device_list_syncs')}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
