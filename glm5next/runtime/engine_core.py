@@ -339,26 +339,35 @@ class LLMEngine:
         tokens, logprobs, tops = self._sample(logits, rows, reqs)
         times.lap("sample")
         ended = {r.request_id for r in self.scheduler.update(out, dict(zip((r.request_id for r in reqs), tokens)))}
-        results = []
-        for k, req in enumerate(reqs):
-            live = self._live[req.request_id]
-            if logprobs is not None and live.params.logprobs is not None:
-                live.logprobs.append(logprobs[k])
-                live.top_logprobs.append(tops[k][: live.params.logprobs])
-            reason = "length" if req.request_id in ended else None
-            if self._stops(live, tokens[k]):
-                reason = "stop"
-            if reason is not None and live.detok is not None and live.detok.flush():
-                reason = "stop"
-            if reason is not None:
-                if req.request_id not in ended:
-                    self.scheduler.finish(req.request_id, reason)
-                del self._live[req.request_id]
-            results.append(self._output(live, reason))
+        results = [self._gained(self._live[req.request_id], tokens[k], k, logprobs, tops, req.request_id in ended)
+                   for k, req in enumerate(reqs)]
         self.stats["generated_tokens"] += len(reqs)
         times.lap("outputs")
         times.steps += 1
         return results
+
+    def _gained(self, live: _Live, token: int, k: int, logprobs: list | None, tops: list | None, length: bool,
+                last: int | None = None) -> RequestOutput:
+        """The output of a request whose step gave it `token` (row k of the step's logprobs): its stop checks,
+        and its end where it stopped or (`length`: the scheduler ended it) reached max_tokens. `last`: the
+        token's index in `token_ids`, after which a step still in flight may have run one more (dropped)."""
+        req = live.request
+        if logprobs is not None and live.params.logprobs is not None:
+            live.logprobs.append(logprobs[k])
+            live.top_logprobs.append(tops[k][: live.params.logprobs])
+        reason = "length" if length else None
+        if self._stops(live, token):
+            reason = "stop"
+        if reason is not None and live.detok is not None and live.detok.flush():
+            reason = "stop"
+        if reason is not None:
+            if last is not None:
+                del req.token_ids[last + 1 :]
+            if self.scheduler.requests.get(req.request_id) is req:  # not already ended by the scheduler
+                self.scheduler.finish(req.request_id, reason)
+            req.finish_reason = reason
+            del self._live[req.request_id]
+        return self._output(live, reason)
 
     def spec_metrics(self) -> dict:
         """Speculative decoding: acceptance rate, mean accepted length (tokens per verify, bonus included)
@@ -485,23 +494,9 @@ class LLMEngine:
             live = self._live.get(req.request_id)
             if live is None or live.request is not req:
                 continue  # aborted, or stopped at the step before
-            at = done.places[k]
-            req.token_ids[at] = tokens[k]
-            if logprobs is not None and live.params.logprobs is not None:
-                live.logprobs.append(logprobs[k])
-                live.top_logprobs.append(tops[k][: live.params.logprobs])
-            reason = "length" if req.request_id in done.ended else None
-            if self._stops(live, tokens[k]):
-                reason = "stop"
-            if reason is not None and live.detok is not None and live.detok.flush():
-                reason = "stop"
-            if reason is not None:
-                del req.token_ids[at + 1 :]  # the step in flight ran one token past the end: dropped
-                if self.scheduler.requests.get(req.request_id) is req:
-                    self.scheduler.finish(req.request_id, reason)
-                req.finish_reason = reason
-                del self._live[req.request_id]
-            results.append(self._output(live, reason))
+            req.token_ids[done.places[k]] = tokens[k]
+            results.append(self._gained(live, tokens[k], k, logprobs, tops, req.request_id in done.ended,
+                                        done.places[k]))
         self.stats["generated_tokens"] += len(results)
         times.lap("outputs")
         times.steps += 1
