@@ -202,14 +202,20 @@ def test_eos_finishes_early():
         assert (r.output_token_ids[-1] in eos) == (r.finish_reason == "stop")
 
 
-def test_abort_waiting_and_running_frees_everything():
-    requests = make_requests(12, seed=2)
+def three_steps_into(seed: int):
+    """Twelve requests on four slots after three steps: some running, some waiting."""
+    requests = make_requests(12, seed=seed)
     sched = Scheduler(BlockManager(200, 4, 4), 4, 16)
     for r in requests:
         sched.add_request(r)
     engine = FakeEngine(sched)
     for _ in range(3):
         sched.update(out := sched.schedule(), engine.step(out))
+    return requests, sched, engine
+
+
+def test_abort_waiting_and_running_frees_everything():
+    requests, sched, engine = three_steps_into(2)
     running, waiting = sched.running[1], sched.waiting[-1]
     free, held = sched.block_manager.free_blocks, len(running.block_ids)
     assert sched.abort(running.request_id) and sched.abort(waiting.request_id)
@@ -224,15 +230,9 @@ def test_abort_waiting_and_running_frees_everything():
 
 
 def test_finish_ends_running_and_waiting_requests():
-    """The engine stops a request on a stop string or token; with asynchronous scheduling the request may have
-    been preempted (waiting) by the time its stop token lands."""
-    requests = make_requests(12, seed=4)
-    sched = Scheduler(BlockManager(200, 4, 4), 4, 16)
-    for r in requests:
-        sched.add_request(r)
-    engine = FakeEngine(sched)
-    for _ in range(3):
-        sched.update(out := sched.schedule(), engine.step(out))
+    """The engine stops a request on a stop string or token; with asynchronous scheduling the request may be
+    waiting again (preempted) by the time its stop token lands."""
+    _, sched, engine = three_steps_into(4)
     running, waiting = sched.running[0], sched.waiting[0]
     sched.finish(running.request_id, "stop")
     sched.finish(waiting.request_id, "stop")

@@ -111,8 +111,8 @@ def kda_prefill_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: tor
         raise ValueError(f"KDA prefill inputs: taps {tuple(conv_w.shape)}, conv state {tuple(conv.shape)}, "
                          f"{tuple(slots.shape)} slots for {n} sequences over {L} rows")
     dev = q.device
-    seq = to_device(torch.repeat_interleave(torch.arange(n, dtype=torch.int32),
-                                            torch.tensor([starts[i + 1] - starts[i] for i in range(n)])), torch.int32, dev)
+    lens = torch.tensor([starts[i + 1] - starts[i] for i in range(n)])
+    seq = to_device(torch.repeat_interleave(torch.arange(n, dtype=torch.int32), lens), torch.int32, dev)
     start = to_device(starts[:-1], torch.int32, dev)
     out = [torch.empty(L, heads, K, dtype=dtype, device=dev) for _ in range(3)]
     g = torch.empty(L, heads, K, dtype=torch.float32, device=dev)
