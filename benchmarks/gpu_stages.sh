@@ -8,8 +8,8 @@
 # before, torch._grouped_mm and their TMA form. PART=5: the boundary's plans over long rows, the engine
 # end to end (steady decode against the captured step, host time, prefill of 1K / 8K / 32K prompts alone
 # and 8 together). PART=6: the graph tests (asynchronous scheduling through captured graphs against one
-# step at a time), fla's chunk_kda with its chunk list on the device (time, equality, syncs), the 8K prompt
-# and its idle gaps.
+# step at a time), fla's chunk_kda with its chunk list on the device or sized from the host's lengths (time,
+# equality, syncs), and with fla's split of long sequences over the SMs (FLA_INTRACARD_CP=1).
 # A fresh machine compiles every kernel first: the first part run there needs the longest limits. Logs
 # gather in $OUT/run.log (few files come back per call). fla travels as a wheel in .whl/ (see the device
 # tool's notes).
@@ -34,10 +34,10 @@ run prefill-gaps 90 python benchmarks/prefill_gaps.py --tokens 8192 --out "$OUT/
 elif [ "${PART:-1}" = 4 ]; then
 run moe-prefill 240 python benchmarks/moe_prefill.py --out "$OUT/moe-prefill.json"
 elif [ "${PART:-1}" = 6 ]; then
-run graph-tests 240 python -m pytest -q -m gpu -rfE --tb=short tests/gpu/test_graph_decode.py
+run graph-tests 240 python -m pytest -q -m gpu -rfE --tb=short tests/gpu/test_graph_decode.py \
+  tests/test_kernels_kda.py::test_prefill_real_shapes_bf16_against_fp32
 run kda-prefill 90 python benchmarks/kda_prefill.py --out "$OUT/kda-prefill.json"
-run prefill 150 python benchmarks/profile_prefill.py --tokens 8192 --out "$OUT/prefill.json"
-run prefill-gaps 60 python benchmarks/prefill_gaps.py --tokens 8192 --out "$OUT/prefill-gaps.json"
+FLA_INTRACARD_CP=1 run kda-prefill-split 90 python benchmarks/kda_prefill.py --out "$OUT/kda-prefill-split.json"
 elif [ "${PART:-1}" = 5 ]; then
 run boundary-rows 140 python benchmarks/boundary_rows.py --out "$OUT/boundary-rows.json"
 run e2e 420 python -m glm5next.bench.cli --mode specialized --tokens 1,4,16,64 --concurrency 1,4,16,64 \

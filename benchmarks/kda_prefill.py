@@ -2,12 +2,14 @@
 the stock chunked form (`kda_chunked`, PyTorch) against flash-linear-attention's `chunk_kda` (bounded
 gate, `safe_gate`), and the whole KDA sublayer (projections, conv, gates, recurrence, norm, o_proj) as the
 stock module runs it, for one 8192-token prompt and for 8 prompts of 1024. fla's call also with its chunk list
-built on the device (`use_graph=True`): its time, whether it equals the default call, and whether either
-synchronises the stream.
+built on the device (`use_graph=True`) and with it sized on the host from the lengths the caller already
+holds (`cu_seqlens_cpu`): their times, whether they equal the default call, and whether each synchronises
+the stream. Run it again with FLA_INTRACARD_CP=1 for fla's split of long sequences over the SMs.
 
     python benchmarks/kda_prefill.py [--shapes 1x8192,8x1024] [--out kda-prefill.json]
 
-Times are medians of CUDA events over eager calls (prefill is not captured). Accuracy: each form's
+Times are medians of CUDA events over eager calls under inference mode, as the runtime calls them (prefill
+is not captured). Accuracy: each form's
 outputs and final states against the fp32 chunked reference.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -57,6 +60,7 @@ def synchronises(fn) -> bool:
     return False
 
 
+@torch.inference_mode()
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="1x8192,8x1024", help="SEQSxTOKENS")
@@ -74,7 +78,7 @@ def main() -> None:
     attn = model.layers[0].self_attn
     h, d = attn.num_heads, attn.head_dim
     result = {"gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-              "fla": why or "fla-core", "rows": []}
+              "fla": why or "fla-core", "intracard_cp": os.environ.get("FLA_INTRACARD_CP", "0"), "rows": []}
     gen = torch.Generator(device=dev).manual_seed(0)
     for shape in args.shapes.split(","):
         n, length = (int(x) for x in shape.split("x"))
@@ -108,10 +112,13 @@ def main() -> None:
             qb, kb, vb = (z.to(torch.bfloat16).unsqueeze(0) for z in (q, k, v))
             init = torch.zeros(n, h, d, d, device=dev)
 
-            def fla(use_graph=False):
+            cu_host = cu.cpu()
+
+            def fla(use_graph=False, host=None):
                 return chunk_kda(qb, kb, vb, g.unsqueeze(0), beta.to(torch.bfloat16).unsqueeze(0), scale=1.0,
                                  initial_state=init, output_final_state=True, safe_gate=True,
-                                 lower_bound=attn.lower_bound, cu_seqlens=cu, use_graph=use_graph)
+                                 lower_bound=attn.lower_bound, cu_seqlens=cu, cu_seqlens_cpu=host,
+                                 use_graph=use_graph)
 
             try:
                 row["fla_ms"] = median_ms(fla)
@@ -125,13 +132,19 @@ def main() -> None:
                 o2, s2 = fla(True)
                 row["fla_device_list_same"] = bool(torch.equal(o2, o) and torch.equal(s2, s))
                 row["fla_device_list_syncs"] = synchronises(lambda: fla(True))
+                row["fla_host_list_ms"] = median_ms(lambda: fla(host=cu_host))
+                o3, s3 = fla(host=cu_host)
+                row["fla_host_list_same"] = bool(torch.equal(o3, o) and torch.equal(s3, s))
+                row["fla_host_list_syncs"] = synchronises(lambda: fla(host=cu_host))
             except Exception as e:  # noqa: BLE001 - the peer's limits are part of the result
                 row["fla_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         result["rows"].append(row)
         log(f"{n}x{length}: stock {row['stock_ms']:.2f} ms, fla {row.get('fla_ms', row.get('fla_error', why))}; "
             f"fla err out {row.get('fla_out_err', float('nan')):.1e} state {row.get('fla_state_err', float('nan')):.1e}"
             f", syncs {row.get('fla_syncs')}; with its chunk list on the device {row.get('fla_device_list_ms')} ms, "
-            f"the same outputs {row.get('fla_device_list_same')}, syncs {row.get('fla_device_list_syncs')}")
+            f"the same outputs {row.get('fla_device_list_same')}, syncs {row.get('fla_device_list_syncs')}; sized from "
+            f"host lengths {row.get('fla_host_list_ms')} ms, the same {row.get('fla_host_list_same')}, syncs "
+            f"{row.get('fla_host_list_syncs')}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

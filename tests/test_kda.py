@@ -452,7 +452,8 @@ def test_prefill_on_the_kernels_equals_the_stock_prefill(monkeypatch, head_dim):
     want = run(layer, x, stock_state, query_lens, context_lens, 2, slots)
     calls = []
 
-    def reference(q, k, v, g, beta, initial, cu, lower_bound, dtype):
+    def reference(q, k, v, g, beta, initial, cu, cu_host, lower_bound, dtype):
+        assert torch.equal(cu_host, cu.cpu()) and not cu_host.is_cuda
         calls.append(cu.tolist())
         return kda_prefill_reference(q, k, v, g, beta, initial, cu, lower_bound)
 

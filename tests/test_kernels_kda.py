@@ -282,12 +282,21 @@ def test_prefill_real_shapes_bf16_against_fp32():
     init = torch.randn(3, h, d, d, generator=g, device=dev) * 0.1
     init[1] = 0
     q, k, v, beta = (x.to(torch.bfloat16) for x in (q, k, v, beta))
-    cu = torch.tensor([0, 1, 78, 378], device=dev)
+    cu_host = torch.tensor([0, 1, 78, 378])
+    cu = cu_host.to(dev)
     before = init.clone()
-    out, final = kda_prefill(q, k, v, gate, beta, init, cu, -5.0)
+    kda_prefill(q, k, v, gate, beta, init, cu, cu_host, -5.0)  # compiles (fla's autotuning synchronises)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # the call sizes its chunk list from the host's lengths
+    try:
+        out, final = kda_prefill(q, k, v, gate, beta, init, cu, cu_host, -5.0)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
     want_o, want_s = kda_prefill_reference(q, k, v, gate, beta, init, cu, -5.0)
     assert out.dtype == torch.bfloat16 and out.shape == (t, h, d)
     assert rel(out, want_o) < 2e-2 and rel(final, want_s) < 2e-2
     assert torch.equal(init, before)
     with pytest.raises(ValueError, match="initial state"):
-        kda_prefill(q, k, v, gate, beta, init[:2], cu, -5.0)
+        kda_prefill(q, k, v, gate, beta, init[:2], cu, cu_host, -5.0)
+    with pytest.raises(ValueError, match="lengths"):
+        kda_prefill(q, k, v, gate, beta, init, cu, cu_host[:3], -5.0)

@@ -224,8 +224,9 @@ class KimiDeltaAttention(nn.Module):
             tail = torch.cat([p.q[lo:hi], p.k[lo:hi], p.v[lo:hi]], dim=-1).t().unsqueeze(0).to(old.dtype)
             state.conv.index_copy_(0, slot, torch.cat([old, tail], dim=-1)[..., -keep:])
         initial = torch.where(fresh[:, None, None, None], 0.0, state.recurrent[slot_ids])
-        cu = to_device(rel, torch.int64, q.device)
-        out, final = kda_prefill(q, k, v, g, beta, initial, cu, self.lower_bound, p.q.dtype)
+        cu_host = torch.tensor(rel, dtype=torch.int64)
+        cu = to_device(cu_host, torch.int64, q.device)
+        out, final = kda_prefill(q, k, v, g, beta, initial, cu, cu_host, self.lower_bound, p.q.dtype)
         state.recurrent.index_copy_(0, slot_ids, final)
         return out
 

@@ -139,14 +139,16 @@ def gated_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: f
 
 
 def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                initial: torch.Tensor, cu_seqlens: torch.Tensor, lower_bound: float,
+                initial: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_host: torch.Tensor, lower_bound: float,
                 dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
     """The delta-rule outputs [T, H, V] (`dtype`) and final states [N, H, K, V] fp32 of N sequences laid
     end to end (see `kda_prefill_reference` for the function).
 
     q, k: [T, H, K] (unit-norm, q already times the query scale); v: [T, H, V]; g: [T, H, K] fp32
     log-decays in [lower_bound, 0); beta: [T, H]; initial: [N, H, K, V] fp32 (not modified);
-    cu_seqlens: [N + 1] int64 sequence starts on the device. q, k, v and beta are cast to `dtype`.
+    cu_seqlens: [N + 1] int64 sequence starts on the device, and the same on the host (`cu_seqlens_host`,
+    from which fla sizes its chunk list without reading the device's copy, a stream sync per call). q, k, v
+    and beta are cast to `dtype`.
     """
     from fla.ops.kda import chunk_kda  # noqa: PLC0415 - optional package, seconds to import
 
@@ -158,8 +160,11 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     if k.shape != q.shape or g.shape != q.shape or v.shape[:2] != (t, h) or beta.shape != (t, h):
         raise ValueError(f"KDA prefill: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
                          f"g {tuple(g.shape)}, beta {tuple(beta.shape)} disagree")
+    if cu_seqlens_host.shape != cu_seqlens.shape or cu_seqlens_host.is_cuda:
+        raise ValueError(f"KDA prefill: the host's sequence lengths {tuple(cu_seqlens_host.shape)} "
+                         f"({cu_seqlens_host.device}) for {tuple(cu_seqlens.shape)} on the device")
     qb, kb, vb = (z.to(dtype).unsqueeze(0) for z in (q, k, v))
     out, final = chunk_kda(qb, kb, vb, g.float().unsqueeze(0), beta.to(dtype).unsqueeze(0), scale=1.0,
                            initial_state=initial, output_final_state=True, safe_gate=True,
-                           lower_bound=lower_bound, cu_seqlens=cu_seqlens)
+                           lower_bound=lower_bound, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_host)
     return out[0], final
