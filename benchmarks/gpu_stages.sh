@@ -13,10 +13,18 @@
 # PART=7 SUITE=1|2|3|4: the whole GPU suite in four calls.
 # A fresh machine compiles every kernel first: the first part run there needs the longest limits. Logs
 # gather in $OUT/run.log (few files come back per call). fla travels as a wheel in .whl/ (see the device
-# tool's notes).
-#     OUT=DIR PART=1 bash benchmarks/gpu_stages.sh   (then PART=2 ... PART=5)
+# tool's notes). Triton's compiled kernels travel too: a call unpacks .triton/cache.tar.gz (ignored; carry it)
+# into its cache and packs the cache back into $OUT/triton-cache.tar.gz, to be copied to .triton/ for the
+# next fresh machine (the same kernels on any SM90 GPU with the same Triton hit it instead of compiling).
+#     OUT=DIR PART=1 bash benchmarks/gpu_stages.sh   (then PART=2 ... PART=7)
 set -u
-export PYTHONPATH=. PYTHONUNBUFFERED=1
+export PYTHONPATH=. PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton-cache
+mkdir -p "$TRITON_CACHE_DIR"
+[ -f .triton/cache.tar.gz ] && tar -xzf .triton/cache.tar.gz -C "$TRITON_CACHE_DIR"
+pack_cache() {  # at most 16 MiB comes back per file: a larger cache stays behind
+  tar -czf /tmp/triton-cache.tar.gz -C "$TRITON_CACHE_DIR" . && [ "$(stat -c %s /tmp/triton-cache.tar.gz)" -lt 16000000 ] \
+    && cp /tmp/triton-cache.tar.gz "$OUT/" || echo "triton cache not packed: $(du -sh "$TRITON_CACHE_DIR")" >> "$OUT/run.log"; }
+trap pack_cache EXIT
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv > /tmp/gpu.txt 2>&1
 cat /tmp/gpu.txt; cat /tmp/gpu.txt > "$OUT/run.log"
 run() { local name=$1 limit=$2 t0=$SECONDS; shift 2; timeout -s INT "$limit" "$@" > "/tmp/$name.log" 2>&1; local rc=$?
