@@ -43,7 +43,7 @@ run prefill-gaps 90 python benchmarks/prefill_gaps.py --tokens 8192 --out "$OUT/
 elif [ "${PART:-1}" = 4 ]; then
 run moe-prefill 240 python benchmarks/moe_prefill.py --out "$OUT/moe-prefill.json"
 elif [ "${PART:-1}" = 6 ]; then
-run graph-tests 240 python -m pytest -q -m gpu -rfE --tb=short tests/gpu/test_graph_decode.py \
+run graph-and-kda-tests 240 python -m pytest -q -m gpu -rfE --tb=short tests/gpu/test_graph_decode.py \
   tests/test_kernels_kda.py::test_prefill_real_shapes_bf16_against_fp32
 run kda-prefill 90 python benchmarks/kda_prefill.py --out "$OUT/kda-prefill.json"
 FLA_INTRACARD_CP=1 run kda-prefill-split 90 python benchmarks/kda_prefill.py --out "$OUT/kda-prefill-split.json"
