@@ -82,7 +82,7 @@ def plot(result: dict, out: str) -> str:
     if result.get("mode") == "speculative":
         return plot_speculative(result, out)
     steps = result.get("steps") or []
-    e2e = [r for r in result.get("e2e") or [] if not r.get("prefill")]
+    e2e = [r for r in result.get("e2e") or [] if not r.get("prefill") and not r.get("mixed")]
     split = [r for r in e2e if r.get("host_ms_per_step")]
     panels = (1 if steps else 0) + (1 if e2e else 0) + (1 if split else 0)
     if not panels:

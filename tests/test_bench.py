@@ -187,7 +187,8 @@ def test_cli_small_end_to_end(tmp_path):
         "bench", "--mode", "stock", "--small", "--device", "cpu", "--tokens", "1,2", "--context", "40",
         "--eager-iters", "2", "--eager-warmup", "1", "--replays", "2", "--concurrency", "1,2",
         "--prompt-len", "8", "--gen-len", "3", "--prefill-lens", "16,24", "--prefill-requests", "1,2",
-        "--bw-gib", "0.01", "--out", str(out),
+        "--mixed-budgets", "8,40", "--mixed-decodes", "3", "--mixed-prompt", "30", "--bw-gib", "0.01",
+        "--out", str(out),
     ])
     assert args.func(args) == 0
     result = json.loads(out.read_text())
@@ -203,7 +204,7 @@ def test_cli_small_end_to_end(tmp_path):
         assert "graph_ms" not in r  # no CUDA here
         assert r["bytes"]["total"] > r["bytes"]["lm_head"] > 0
     assert any("CUDA graphs skipped" in n for n in result["notes"])
-    decode = [r for r in result["e2e"] if not r.get("prefill")]
+    decode = [r for r in result["e2e"] if not r.get("prefill") and not r.get("mixed")]
     assert [r["concurrency"] for r in decode] == [1, 2]
     for r in decode:
         assert r["output_tokens"] == 3 * r["concurrency"] and r["output_tokens_per_s"] > 0
@@ -218,8 +219,25 @@ def test_cli_small_end_to_end(tmp_path):
     for r in prefill:
         assert r["output_tokens"] == r["concurrency"] and r["ttft_ms"] > 0
         assert r["prefill_tokens_per_s"] == pytest.approx(r["concurrency"] * r["prompt_len"] / r["seconds"])
+    # A 30-token prompt beside 3 decodes: 5 prompt tokens a step under a budget of 8 (6 chunks), all 30 under 40
+    # (1 chunk); the step that returns the prompt's token may come one later (asynchronous scheduling).
+    mixed = [r for r in result["e2e"] if r.get("mixed")]
+    assert [(r["budget"], r["decodes"], r["prompt_len"]) for r in mixed] == [(8, 3, 30), (40, 3, 30)]
+    assert mixed[0]["steps"] - mixed[1]["steps"] == 5 and mixed[1]["steps"] in (1, 2)
+    for r in mixed:
+        assert r["prefill_tokens_per_s"] == pytest.approx(30 / (r["ttft_ms"] / 1e3))
+        assert r["decode_tokens_per_s"] > 0 and r["max_step_ms"] > 0 and r["steady_step_ms"] > 0
 
     assert_plots(out, tmp_path / "result.png")
+
+
+def test_cli_refuses_a_mixed_budget_that_cannot_hold_the_decodes(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench", "--small", "--device", "cpu", "--mixed-budgets", "16,4", "--mixed-decodes", "4",
+                              "--out", str(tmp_path / "r.json")])
+    assert args.func(args) == 2
+    assert "--mixed-budgets" in capsys.readouterr().err
 
 
 def test_cli_small_under_tensor_parallelism(tmp_path):

@@ -104,6 +104,11 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                         "32,128; empty: none)")
     p.add_argument("--prefill-requests", type=_int_list, default=_int_list("1,8"),
                    help="prompts of each length sent together (default 1,8)")
+    p.add_argument("--mixed-budgets", type=_int_list, default=_int_list(""),
+                   help="step token budgets (max_num_batched_tokens) to time a prompt prefilled beside decoding "
+                        "requests under, e.g. 512,2048,8192 (default: none)")
+    p.add_argument("--mixed-decodes", type=int, default=16, help="requests decoding in the mixed rows (default 16)")
+    p.add_argument("--mixed-prompt", type=int, default=8192, help="the mixed rows' prompt tokens (default 8192)")
     p.add_argument("--bw-gib", type=float, default=1.0, help="GiB of the bandwidth probe buffer (>= 1 on a GPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="result JSON (default bench/results/<date>-<gpu>-<mode>.json)")
@@ -163,8 +168,9 @@ def format_table(result: dict) -> str:
                          + f"stock {st['stock_us']:9.1f} us {100 * st['stock_bw_fraction']:5.1f} %")
     if result.get("targets"):
         lines += format_targets(result["targets"])
-    decode = [r for r in result.get("e2e", []) if not r.get("prefill")]
+    decode = [r for r in result.get("e2e", []) if not r.get("prefill") and not r.get("mixed")]
     prefill = [r for r in result.get("e2e", []) if r.get("prefill")]
+    mixed = [r for r in result.get("e2e", []) if r.get("mixed")]
     if decode:
         parts = list(next((r["host_ms_per_step"] for r in decode if "host_ms_per_step" in r), {}))
         lines.append(f"{'conc':>4} {'out tok':>8} {'seconds':>8} {'tok/s':>9} {'TPOT ms':>8} {'TTFT ms':>8} "
@@ -182,6 +188,13 @@ def format_table(result: dict) -> str:
         for r in prefill:
             lines.append(f"{r['concurrency']:>7} {r['prompt_len']:>7} {r['ttft_ms']:>9.1f} "
                          f"{r['prefill_tokens_per_s']:>13.0f} {r['steps']:>6}")
+    if mixed:
+        lines.append(f"{'budget':>7} {'decodes':>7} {'prompt':>7} {'TTFT ms':>9} {'prefill tok/s':>13} "
+                     f"{'dec tok/s':>9} {'max step ms':>11} {'steady ms':>9}  (a prompt prefilled beside decodes)")
+        for r in mixed:
+            lines.append(f"{r['budget']:>7} {r['decodes']:>7} {r['prompt_len']:>7} {r['ttft_ms']:>9.1f} "
+                         f"{r['prefill_tokens_per_s']:>13.0f} {r['decode_tokens_per_s']:>9.1f} "
+                         f"{r['max_step_ms']:>11.2f} {r['steady_step_ms']:>9.2f}")
     lines += [f"note: {n}" for n in result.get("notes", [])]
     return "\n".join(lines)
 
@@ -206,6 +219,11 @@ def cmd_bench(args) -> int:
         print(f"glm5next bench: --requests must not be empty and --num-speculative-tokens must be 1 to "
               f"{MAX_SPECULATIVE_TOKENS}", file=sys.stderr)
         return 2
+    if args.mixed_budgets and (args.mixed_decodes < 1 or args.mixed_prompt < 1
+                               or min(args.mixed_budgets) <= args.mixed_decodes):
+        print(f"glm5next bench: every --mixed-budgets value must exceed --mixed-decodes ({args.mixed_decodes}: each "
+              "step holds every decode first), and --mixed-decodes and --mixed-prompt must be >= 1", file=sys.stderr)
+        return 2
     opts = StockOptions(
         small=args.small, device=args.device, layers=args.layers, tokens=args.tokens,
         concurrency=args.concurrency, context=args.context, block_size=args.block_size,
@@ -213,7 +231,8 @@ def cmd_bench(args) -> int:
         graph_warmup=args.graph_warmup, skip_eager=args.skip_eager, skip_graph=args.skip_graph,
         skip_e2e=args.skip_e2e, prompt_len=args.prompt_len, gen_len=args.gen_len,
         prefill_lens=args.prefill_lens if args.prefill_lens is not None else SMALL_PREFILL if args.small else PREFILL,
-        prefill_requests=args.prefill_requests, bw_gib=args.bw_gib, seed=args.seed,
+        prefill_requests=args.prefill_requests, mixed_budgets=args.mixed_budgets, mixed_decodes=args.mixed_decodes,
+        mixed_prompt=args.mixed_prompt, bw_gib=args.bw_gib, seed=args.seed,
         speculative_config=args.speculative_config, tensor_parallel_size=args.tensor_parallel_size,
     )
     if args.mode == "specialized":

@@ -53,6 +53,11 @@ class StockOptions:
     gen_len: int = 64
     prefill_lens: tuple[int, ...] = (1024, 8192, 32768)
     prefill_requests: tuple[int, ...] = (1, 8)
+    mixed_budgets: tuple[int, ...] = ()
+    """Step token budgets (`max_num_batched_tokens`) of the mixed rows: `mixed_decodes` requests decoding while
+    one `mixed_prompt`-token prompt is prefilled in chunks beside them (none: no mixed rows)."""
+    mixed_decodes: int = 16
+    mixed_prompt: int = 8192
     decode_backend: str = "stock"
     """The engine's captured decode steps in the end-to-end part: "stock" or "specialized"."""
     policy: str | None = None
@@ -247,7 +252,7 @@ def run_e2e(model, device: torch.device, opts: StockOptions, notes: list) -> lis
     (`glm5next.runtime.host_times`). Then prefill: `prefill_requests` prompts of each of `prefill_lens`
     tokens at once, one output token each: time to first token and prompt tokens/s."""
     levels = sorted(set(opts.concurrency))
-    if not levels and not opts.prefill_lens:
+    if not levels and not opts.prefill_lens and not opts.mixed_budgets:
         return []
     if opts.speculative_config and model.mtp is None:
         notes.append("end-to-end speculative decoding skipped: the slice has no MTP layer")
@@ -332,7 +337,70 @@ def run_e2e(model, device: torch.device, opts: StockOptions, notes: list) -> lis
             rows.append(row)
             log(f"prefill {n} x {length} tokens: {row['prefill_tokens_per_s']:.0f} tokens/s, "
                 f"TTFT {row['ttft_ms']:.1f} ms, {row['steps']} steps")
+    del engine
+    _release(device)
+    for budget in opts.mixed_budgets:
+        row = run_mixed(model, device, opts, budget)
+        rows.append(row)
+        log(f"mixed, budget {budget}: a {row['prompt_len']}-token prompt beside {row['decodes']} decodes: "
+            f"TTFT {row['ttft_ms']:.1f} ms ({row['prefill_tokens_per_s']:.0f} tokens/s), decodes "
+            f"{row['decode_tokens_per_s']:.1f} tokens/s, longest step {row['max_step_ms']:.1f} ms "
+            f"(steady {row['steady_step_ms']:.2f})")
     return rows
+
+
+def run_mixed(model, device: torch.device, opts: StockOptions, budget: int) -> dict:
+    """One mixed row: `opts.mixed_decodes` requests decoding (prompts of `prompt_len` tokens) when one prompt of
+    `opts.mixed_prompt` tokens arrives, through an engine whose steps hold at most `budget` tokens (chunked
+    prefill: each step runs every decode and up to the rest of the budget of the prompt). The prompt's time to
+    first token and prefill tokens/s; the decodes' tokens/s and their longest step while it is prefilled,
+    against their steady step before it. A larger budget prefills in fewer, longer steps: prompts come sooner,
+    decodes stall longer."""
+    n, long_len, bs = opts.mixed_decodes, opts.mixed_prompt, opts.block_size
+    if n < 1 or long_len < 1 or budget <= n:
+        raise ValueError(f"mixed rows: budget {budget} must exceed the {n} decoding requests, and the prompt "
+                         f"({long_len} tokens) must not be empty")
+    cuda = device.type == "cuda"
+    chunks = -(-long_len // (budget - n))
+    gen = chunks + 8  # the decodes outlast the prompt's prefill
+    short_len = opts.prompt_len + gen + bs
+    long_cached = long_len + bs
+    engine = LLMEngine.from_model(
+        model, max_model_len=max(short_len, long_cached) + bs, max_num_seqs=n + 1,
+        num_blocks=n * -(-short_len // bs) + -(-long_cached // bs) + 4, block_size=bs, enforce_eager=not cuda,
+        capture_sizes=(n,), max_num_batched_tokens=budget, decode_backend=opts.decode_backend, policy=opts.policy)
+    rng = random.Random(opts.seed + budget)
+    vocab = model.config.vocab_size
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=gen)
+    for i in range(n):
+        engine.add_request(f"d{i}", [rng.randrange(vocab) for _ in range(opts.prompt_len)], params)
+    started: set[str] = set()
+    steady = []
+    while len(started) < n or len(steady) < 4:  # every decode under way, then a few steady steps timed
+        t = time.perf_counter()
+        outs = engine.step()
+        if len(started) == n:
+            steady.append(time.perf_counter() - t)
+        started.update(o.request_id for o in outs if o.outputs[0].token_ids)
+    engine.add_request("long", [rng.randrange(vocab) for _ in range(long_len)],
+                       SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1))
+    t0 = now = time.perf_counter()
+    window, decoded, done = [], 0, False
+    while not done:
+        outs = engine.step()
+        start, now = now, time.perf_counter()
+        window.append(now - start)
+        decoded += sum(1 for o in outs if o.request_id != "long")
+        done = any(o.request_id == "long" and o.finished for o in outs)
+    ttft = now - t0
+    for i in range(n):
+        engine.abort_request(f"d{i}")
+    del engine
+    _release(device)
+    return {"mixed": True, "budget": budget, "decodes": n, "prompt_len": long_len, "ttft_ms": 1e3 * ttft,
+            "prefill_tokens_per_s": long_len / max(ttft, 1e-9), "steps": len(window),
+            "decode_tokens_per_s": decoded / max(ttft, 1e-9), "max_step_ms": 1e3 * max(window),
+            "steady_step_ms": 1e3 * statistics.median(steady)}
 
 
 def attach_step_rates(e2e: list, steps: list, key: str) -> None:
@@ -340,8 +408,10 @@ def attach_step_rates(e2e: list, steps: list, key: str) -> None:
     step's own tokens/s and the engine's steady decode rate as a fraction of it."""
     by_tokens = {r["tokens"]: r for r in steps}
     for row in e2e:
+        if row.get("prefill") or row.get("mixed"):
+            continue
         step = by_tokens.get(row["concurrency"], {}).get(key)
-        if row.get("prefill") or step is None or "decode_tokens_per_s" not in row:
+        if step is None or "decode_tokens_per_s" not in row:
             continue
         row["captured_step_ms"] = step
         row["step_tokens_per_s"] = row["concurrency"] / (step / 1e3)
