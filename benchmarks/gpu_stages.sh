@@ -10,7 +10,7 @@
 # and 8 together). PART=6: the graph tests (asynchronous scheduling through captured graphs against one
 # step at a time), fla's chunk_kda with its chunk list on the device or sized from the host's lengths (time,
 # equality, syncs), and with fla's split of long sequences over the SMs (FLA_INTRACARD_CP=1).
-# PART=7 SUITE=1|2|3|4: the whole GPU suite in four calls.
+# PART=7: the whole GPU suite (SUITE=1|2|3|4: a quarter of it).
 # A fresh machine compiles every kernel first: the first part run there needs the longest limits. Logs
 # gather in $OUT/run.log (few files come back per call). fla travels as a wheel in .whl/ (see the device
 # tool's notes). Triton's compiled kernels travel too: a call unpacks .triton/cache.tar.gz (ignored; carry it)
@@ -51,13 +51,16 @@ elif [ "${PART:-1}" = 7 ]; then
 # The whole GPU suite (141 cases) in four calls of under 10 minutes on a fresh machine (most of each is
 # compiling): SUITE=1 the KDA, MoE and DSA kernels and modules (26), SUITE=2 the boundary kernels (37),
 # SUITE=3 the projection kernels (63), SUITE=4 the executor and the captured graphs (15).
-case "${SUITE:-1}" in
+case "${SUITE:-all}" in
+  all) files="tests" ;;
   1) files="tests/test_kernels_kda.py tests/test_kernels_moe.py tests/test_kernels_dsa.py tests/test_kda.py tests/test_batch_sampler.py" ;;
   2) files="tests/test_kernels_boundary.py" ;;
   3) files="tests/test_kernels_linear.py" ;;
   *) files="tests/gpu" ;;
 esac
-run "gpu-suite-${SUITE:-1}" 560 python -m pytest -q -m gpu -rfE --tb=short $files
+# Compiling is most of a fresh machine's time and runs on the host's cores: the suite's cases spread over
+# WORKERS processes (pytest-xdist; one GPU shared, correctness only) sharing one Triton cache.
+run "gpu-suite-${SUITE:-all}" ${LIMIT:-560} python -m pytest -q -m gpu -rfE --tb=short -n "${WORKERS:-8}" $files
 elif [ "${PART:-1}" = 5 ]; then
 run boundary-rows 140 python benchmarks/boundary_rows.py --out "$OUT/boundary-rows.json"
 run e2e 420 python -m glm5next.bench.cli --mode specialized --tokens 1,4,16,64 --concurrency 1,4,16,64 \
