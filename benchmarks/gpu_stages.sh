@@ -10,7 +10,7 @@
 # and 8 together). PART=6: the graph tests (asynchronous scheduling through captured graphs against one
 # step at a time), fla's chunk_kda with its chunk list on the device or sized from the host's lengths (time,
 # equality, syncs), and with fla's split of long sequences over the SMs (FLA_INTRACARD_CP=1).
-# PART=7: the whole GPU suite (SUITE=1|2|3|4: a quarter of it).
+# PART=7: the whole GPU suite (SUITE=1|2|3|4: a quarter of it). PART=9: issue 25's structure before/after.
 # A fresh machine compiles every kernel first: the first part run there needs the longest limits. Logs
 # gather in $OUT/run.log (few files come back per call). fla travels as a wheel in .whl/ (see the device
 # tool's notes). Triton's compiled kernels travel too: a call unpacks .triton/cache.tar.gz (ignored; carry it)
@@ -61,6 +61,19 @@ esac
 # Compiling is most of a fresh machine's time and runs on the host's cores: the suite's cases spread over
 # WORKERS processes (pytest-xdist; one GPU shared, correctness only) sharing one Triton cache.
 run "gpu-suite-${SUITE:-all}" ${LIMIT:-560} python -m pytest -q -m gpu -rfE --tb=short -n "${WORKERS:-8}" $files
+elif [ "${PART:-1}" = 9 ]; then
+# Issue 25's same-run before/after of the restructuring: `bench --mode specialized` on the packages of two
+# commit pairs that differ by the structure work alone (da46c84 -> 095c8fe: the forward.py leaf, checkpoint
+# specs, EngineArgs, imports at the top; 11f0e7c -> 3816bd3: one production path per kernel, the lab out of
+# the package, stages called explicitly, model/routing.py gone), the H200 table of each. Unpack them first:
+#     for c in da46c84 095c8fe 11f0e7c 3816bd3; do mkdir -p benchmarks/.b/$c
+#       git archive $c glm5next | tar -x -C benchmarks/.b/$c; done
+# (untracked, so they travel; delete them afterwards). ~2 minutes each on a fresh machine.
+for c in ${COMMITS:-da46c84 095c8fe 11f0e7c 3816bd3}; do
+  (cd "benchmarks/.b/$c" && PYTHONPATH=. run "structure-$c" 140 python -m glm5next.bench.cli --mode specialized \
+    --policy glm5next/specialized_decode/policies/nvidia-h200.json --tokens 1,8,64 --skip-eager --skip-graph \
+    --skip-e2e --replays 20 --out "$OUT/structure-$c.json")
+done
 elif [ "${PART:-1}" = 5 ]; then
 run boundary-rows 140 python benchmarks/boundary_rows.py --out "$OUT/boundary-rows.json"
 run e2e 420 python -m glm5next.bench.cli --mode specialized --tokens 1,4,16,64 --concurrency 1,4,16,64 \
