@@ -5,9 +5,9 @@
 # attention's tiles on a prefill chunk, the executor's GPU tests with every stage on. PART=3: prefill (its
 # GPU tests, the slice's 8192-token prompt by sublayer and kernel, the GPU's idle time between its kernels
 # and what the host did then, before a change too). PART=4: the prefill experts' plans against the form
-# before, torch._grouped_mm and their TMA form. PART=5: the boundary's plans over long rows, the engine
+# before, torch._grouped_mm and their TMA form, the boundary's plans over long rows. PART=5: the engine
 # end to end (steady decode against the captured step, host time, prefill of 1K / 8K / 32K prompts alone
-# and 8 together). PART=6: the graph tests (asynchronous scheduling through captured graphs against one
+# and 8 together, an 8K prompt beside 16 decodes under step budgets of 512 / 2048 / 8192 tokens). PART=6: the graph tests (asynchronous scheduling through captured graphs against one
 # step at a time), fla's chunk_kda with its chunk list on the device or sized from the host's lengths (time,
 # equality, syncs), and with fla's split of long sequences over the SMs (FLA_INTRACARD_CP=1).
 # PART=7: the whole GPU suite (SUITE=1|2|3|4: a quarter of it). PART=9: issue 25's structure before/after.
@@ -42,6 +42,7 @@ run prefill-gaps 90 python benchmarks/prefill_gaps.py --tokens 8192 --out "$OUT/
   python benchmarks/profile_prefill.py --tokens 8192 --out "$OUT/prefill-base.json"
 elif [ "${PART:-1}" = 4 ]; then
 run moe-prefill 240 python benchmarks/moe_prefill.py --out "$OUT/moe-prefill.json"
+run boundary-rows 140 python benchmarks/boundary_rows.py --out "$OUT/boundary-rows.json"
 elif [ "${PART:-1}" = 6 ]; then
 run graph-and-kda-tests 240 python -m pytest -q -m gpu -rfE --tb=short tests/gpu/test_graph_decode.py \
   tests/test_kernels_kda.py::test_prefill_real_shapes_bf16_against_fp32
@@ -77,9 +78,8 @@ for c in ${COMMITS:-da46c84 095c8fe 11f0e7c 3816bd3}; do
     --skip-e2e --replays 20 --out "$OUT/structure-$c.json")
 done
 elif [ "${PART:-1}" = 5 ]; then
-run boundary-rows 140 python benchmarks/boundary_rows.py --out "$OUT/boundary-rows.json"
-run e2e 420 python -m glm5next.bench.cli --mode specialized --tokens 1,4,16,64 --concurrency 1,4,16,64 \
-  --skip-eager --skip-graph --out "$OUT/e2e.json"
+run e2e 540 python -m glm5next.bench.cli --mode specialized --tokens 1,4,16,64 --concurrency 1,4,16,64 \
+  --skip-eager --skip-graph --mixed-budgets 512,2048,8192 --out "$OUT/e2e.json"
 elif [ "${PART:-1}" = 1 ]; then
 run tests 150 python -m pytest -q -m gpu tests/test_kernels_kda.py tests/test_kernels_moe.py tests/test_kernels_dsa.py
 run profile 150 python benchmarks/profile_step.py --tokens 1,8,64 --out "$OUT/profile.json"
