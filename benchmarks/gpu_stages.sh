@@ -7,16 +7,16 @@
 # and what the host did then, before a change too). PART=4: the prefill experts' plans against the form
 # before, torch._grouped_mm and their TMA form, the boundary's plans over long rows. PART=5: the engine
 # end to end (steady decode against the captured step, host time, prefill of 1K / 8K / 32K prompts alone
-# and 8 together, an 8K prompt beside 16 decodes under step budgets of 512 / 2048 / 8192 tokens). PART=6: the graph tests (asynchronous scheduling through captured graphs against one
-# step at a time), fla's chunk_kda with its chunk list on the device or sized from the host's lengths (time,
-# equality, syncs), and with fla's split of long sequences over the SMs (FLA_INTRACARD_CP=1).
+# and 8 together, an 8K prompt beside 16 decodes under step budgets of 512 / 2048 / 8192 tokens). PART=6:
+# the graph tests (asynchronous scheduling through captured graphs against one step at a time), fla's
+# chunk_kda with its chunk list on the device or sized from the host's lengths (time, equality, syncs), and with fla's split of long sequences over the SMs (FLA_INTRACARD_CP=1).
 # PART=7: the whole GPU suite (SUITE=1|2|3|4: a quarter of it). PART=9: issue 25's structure before/after.
 # A fresh machine compiles every kernel first: the first part run there needs the longest limits. Logs
 # gather in $OUT/run.log (few files come back per call). fla travels as a wheel in .whl/ (see the device
 # tool's notes). Triton's compiled kernels travel too: a call unpacks .triton/cache.tar.gz (ignored; carry it)
 # into its cache and packs the cache back into $OUT/triton-cache.tar.gz, to be copied to .triton/ for the
 # next fresh machine (the same kernels on any SM90 GPU with the same Triton hit it instead of compiling).
-#     OUT=DIR PART=1 bash benchmarks/gpu_stages.sh   (then PART=2 ... PART=7)
+#     OUT=DIR PART=1 bash benchmarks/gpu_stages.sh   (then PART=2 ... PART=9)
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton-cache
 mkdir -p "$TRITON_CACHE_DIR"

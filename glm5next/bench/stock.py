@@ -362,7 +362,7 @@ def run_mixed(model, device: torch.device, opts: StockOptions, budget: int) -> d
                          f"({long_len} tokens) must not be empty")
     cuda = device.type == "cuda"
     chunks = -(-long_len // (budget - n))
-    gen = chunks + 8  # the decodes outlast the prompt's prefill
+    gen = chunks + 32  # the decodes outlast their own start, the steady steps and the prompt's chunks
     short_len = opts.prompt_len + gen + bs
     long_cached = long_len + bs
     engine = LLMEngine.from_model(
@@ -393,6 +393,8 @@ def run_mixed(model, device: torch.device, opts: StockOptions, budget: int) -> d
         decoded += sum(1 for o in outs if o.request_id != "long")
         done = any(o.request_id == "long" and o.finished for o in outs)
     ttft = now - t0
+    if engine.num_unfinished() < n:
+        raise RuntimeError(f"mixed row, budget {budget}: a decoding request finished before the prompt did")
     for i in range(n):
         engine.abort_request(f"d{i}")
     del engine
