@@ -9,7 +9,8 @@
 # end to end (steady decode against the captured step, host time, prefill of 1K / 8K / 32K prompts alone
 # and 8 together, an 8K prompt beside 16 decodes under step budgets of 512 / 2048 / 8192 tokens). PART=6:
 # the graph tests (asynchronous scheduling through captured graphs against one step at a time), fla's
-# chunk_kda with its chunk list on the device or sized from the host's lengths (time, equality, syncs), and with fla's split of long sequences over the SMs (FLA_INTRACARD_CP=1).
+# chunk_kda with its chunk list on the device or sized from the host's lengths (time, equality, syncs), and
+# with fla's split of long sequences over the SMs (FLA_INTRACARD_CP=1).
 # PART=7: the whole GPU suite (SUITE=1|2|3|4: a quarter of it). PART=9: issue 25's structure before/after.
 # A fresh machine compiles every kernel first: the first part run there needs the longest limits. Logs
 # gather in $OUT/run.log (few files come back per call). fla travels as a wheel in .whl/ (see the device
