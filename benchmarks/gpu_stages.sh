@@ -11,7 +11,7 @@
 # the graph tests (asynchronous scheduling through captured graphs against one step at a time), fla's
 # chunk_kda with its chunk list on the device or sized from the host's lengths (time, equality, syncs), and
 # with fla's split of long sequences over the SMs (FLA_INTRACARD_CP=1).
-# PART=7: the whole GPU suite (SUITE=1|2|3|4: a quarter of it). PART=9: issue 25's structure before/after.
+# PART=7: the whole GPU suite (SUITE=1|2|3|4: a quarter of it). PART=8: the MoE plan's variants. PART=9: issue 25's structure before/after.
 # A fresh machine compiles every kernel first: the first part run there needs the longest limits. Logs
 # gather in $OUT/run.log (few files come back per call). fla travels as a wheel in .whl/ (see the device
 # tool's notes). Triton's compiled kernels travel too: a call unpacks .triton/cache.tar.gz (ignored; carry it)
@@ -65,6 +65,12 @@ esac
 # Compiling is most of a fresh machine's time and runs on the host's cores: the suite's cases spread over
 # WORKERS processes (pytest-xdist; one GPU shared, correctness only) sharing one Triton cache.
 run "gpu-suite-${SUITE:-all}" ${LIMIT:-560} python -m pytest -q -m gpu -rfE --tb=short -n "${WORKERS:-8}" $files
+elif [ "${PART:-1}" = 8 ]; then
+# The MoE plan's variants against the production plan, each output checked against the fp32 reference:
+# MOE_TOKENS (1,2,4,8), MOE_FIELDS (single-field changes, see moe_stage.py's VARIANTS), MOE_PLANS
+# ("f=v,f=v;..." several-field plans). s41 (H100) picked the gate|up columns and top-k+grouping this way.
+run moe-variants ${MOE_LIMIT:-270} python benchmarks/moe_stage.py --no-peer --tokens ${MOE_TOKENS:-1,2,4,8} --variants \
+  --fields ${MOE_FIELDS:-gate_up_block_n,down_block_n,topk_group} --plans "${MOE_PLANS:-}" --out "$OUT/moe-variants.json"
 elif [ "${PART:-1}" = 9 ]; then
 # Issue 25's same-run before/after of the restructuring: `bench --mode specialized` on the packages of two
 # commit pairs that differ by the structure work alone (da46c84 -> 095c8fe: the forward.py leaf, checkpoint

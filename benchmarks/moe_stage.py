@@ -45,6 +45,7 @@ VARIANTS = {
     "down_stages": [3, 4],
     "num_warps": [2, 8],
     "half": [False],
+    "topk_group": [True, False],
 }
 """Single-field changes to the default plan that `--variants` times at every token count."""
 
@@ -116,6 +117,8 @@ def main() -> None:
     ap.add_argument("--rotate", type=int, default=4, help="different inputs per graph")
     ap.add_argument("--variants", action="store_true", help="time single-field plan variants too")
     ap.add_argument("--fields", default=",".join(VARIANTS), help="the plan fields --variants varies")
+    ap.add_argument("--plans", default="", help="with --variants, also these several-field plans, e.g. "
+                    "'gate_up_block_n=128,topk_group=1;gate_up_block_n=32,down_block_n=32'")
     ap.add_argument("--profile", action="store_true", help="the stage's kernels one by one (torch.profiler)")
     ap.add_argument("--no-peer", action="store_true", help="skip the grouped_mm peer (14.5 GB of bf16 copies)")
     ap.add_argument("--out", default=None)
@@ -182,26 +185,35 @@ def main() -> None:
         row["stage_rel_err"] = float((outs[0].float() - want).abs().max() / den)
         row["stock_rel_err"] = float((moe(xs[0], graph_safe=True).float() - want).abs().max() / den)
         if args.variants:
-            row["variants"] = {}
+            row["variants"], row["variant_rel_err"] = {}, {}
+
+            def try_variant(name, fields):
+                """Time one plan variant and check its output against the reference (NaN-filled first)."""
+                try:  # (a plan the shapes refuse is reported as such)
+                    alt = plan_moe(m, config.hidden_size, dev, **fields)
+                    outs[0].fill_(float("nan"))
+                    stage(alt)
+                    row["variant_rel_err"][name] = float((outs[0].float() - want).abs().max() / den)
+                    row["variants"][name] = median_us(lambda: stage(alt), args.rotate)
+                except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
+                    row["variants"][name] = f"{type(e).__name__}: {str(e)[:100]}"
             for field, values in VARIANTS.items():
                 if field not in args.fields.split(","):
                     continue
                 for v in values:
                     if getattr(plan, field) == v or (field == "block_m" and v > max(16, m)):
                         continue
-                    alt = plan_moe(m, config.hidden_size, dev, **{field: v})
-                    try:
-                        row["variants"][f"{field}={v}"] = median_us(lambda alt=alt: stage(alt), args.rotate)
-                    except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
-                        row["variants"][f"{field}={v}"] = f"{type(e).__name__}: {str(e)[:100]}"
+                    try_variant(f"{field}={v}", {field: v})
+            for combo in filter(None, args.plans.split(";")):
+                try_variant(combo, {f: int(v) for f, v in (kv.split("=") for kv in combo.split(","))})
         result["rows"].append(row)
         peer_txt = f"{row['grouped_mm_us']:.1f}" if "grouped_mm_us" in row else row.get("grouped_mm_error", "-")[:60]
         log(f"M={m}: experts {row['experts_touched']:.1f}, floor {floor_us:.1f} us, stage {row['stage_us']:.1f} us "
             f"({100 * row['stage_bw_fraction']:.1f} %), stock {row['stock_us']:.1f} us, grouped_mm {peer_txt}; "
             f"rel err stage {row['stage_rel_err']:.2e} stock {row['stock_rel_err']:.2e}")
         if args.variants:
-            log("   " + "  ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
-                                 for k, v in row["variants"].items()))
+            log("   " + "  ".join(f"{k} {v:.1f} (err {row['variant_rel_err'][k]:.1e})" if isinstance(v, float)
+                                 else f"{k} {v}" for k, v in row["variants"].items()))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -81,6 +81,24 @@ def test_moe_layer_equals_reference(shape, tokens):
     check_grouping(r, ids, slots)
 
 
+@pytest.mark.parametrize("tokens", [1, 6])
+def test_topk_and_grouping_in_one_program_equal_two_launches(tokens):
+    e, d, i, k = SHAPES["odd"]
+    w = random_weights(e, d, i, seed=tokens + 11)
+    x = torch.randn(tokens, d, generator=torch.Generator().manual_seed(tokens + 1))
+    slots = torch.arange(tokens)
+    slots[-1] = -1 if tokens > 1 else 0
+    a, b = (route(x, w, k, 2.5, True, ROUTER_NORM_EPS, plan_moe(tokens, d, x.device, topk_group=fused), slots)
+            for fused in (False, True))
+    n = int(a.n_slots)
+    assert int(b.n_slots) == n and torch.equal(a.ids, b.ids) and torch.equal(a.weights, b.weights)
+    for name in ("slot_expert", "slot_start", "slot_count"):
+        assert torch.equal(getattr(a, name)[:n], getattr(b, name)[:n])
+    used = int((slots >= 0).sum()) * (k + 1)  # rows past these are never written
+    assert torch.equal(a.rows[:used], b.rows[:used])
+    check_grouping(b, route_reference(x, w.router, w.bias, k, 2.5, True, ROUTER_NORM_EPS, slots)[0], slots)
+
+
 def test_grouping_check_fails_on_a_wrong_grouping():
     e, d, i, k = SHAPES["odd"]
     w = random_weights(e, d, i)
@@ -201,12 +219,12 @@ def test_stage_refuses_unshared_storage(tiny_fp32):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
-@pytest.mark.parametrize("tokens", [1, 7, 64])
-def test_real_shapes_bf16_against_fp32_reference(tokens):
+@pytest.mark.parametrize("tokens,overrides", [(1, {}), (2, {}), (7, {}), (64, {}), (7, {"topk_group": True})])
+def test_real_shapes_bf16_against_fp32_reference(tokens, overrides):
     w = random_weights(288, 4096, 2048, device="cuda", seed=tokens)
     x = torch.randn(tokens, 4096, device="cuda").to(torch.bfloat16)
     slots = torch.arange(tokens, device="cuda")
-    plan = plan_moe(tokens, 4096, x.device)
+    plan = plan_moe(tokens, 4096, x.device, **overrides)
     out = torch.full((tokens, 4096), float("nan"), dtype=torch.bfloat16, device="cuda")
     moe_forward(x, w, 8, 2.5, True, ROUTER_NORM_EPS, 10.0, plan, slots, out=out)
     want = moe_reference(x.float(), w, 8, 2.5, True, ROUTER_NORM_EPS, 10.0, slots)

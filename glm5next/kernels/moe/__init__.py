@@ -1,5 +1,5 @@
-"""The MoE layer of a step of up to 64 tokens in six launches: router logits (split-K), top-k (a program
-per token), grouping by expert (one program), grouped gate|up with the clamped SwiGLU, grouped down with the
+"""The MoE layer of a step of up to 64 tokens in six launches (five where the plan has top-k and grouping in
+one program): router logits (split-K), top-k (a program per token), grouping by expert (one program), grouped gate|up with the clamped SwiGLU, grouped down with the
 routing weight, and the per-token combine. Each expert's weights are read once per step for all the
 rows routed to it; the shared expert is one more expert that every valid token routes to with weight 1.
 
@@ -22,7 +22,7 @@ import triton
 from .experts import combine_kernel, down_kernel, gate_up_kernel
 from .prefill import down_rows_kernel, gate_up_rows_kernel
 from .reference import moe_reference, route_reference
-from .routing import group_kernel, router_logits_kernel, router_rows_kernel, topk_kernel
+from .routing import group_kernel, router_logits_kernel, router_rows_kernel, topk_group_kernel, topk_kernel
 
 __all__ = ["ExpertWeights", "MoePlan", "PrefillPlan", "Routing", "experts_forward", "group_rows", "moe_forward",
            "moe_prefill", "moe_reference", "plan_moe", "prefill_experts", "prefill_plan", "route", "route_reference"]
@@ -128,13 +128,17 @@ class MoePlan:
     router_warps: int = 4
     down_stages: int | None = None
     """Pipeline stages of the down launch (None: `num_stages`, as gate|up)."""
+    topk_group: bool = False
+    """Top-k and grouping in one program (`topk_group_kernel`: one launch less, the tokens one after another)
+    instead of a top-k program per token and then the grouping's."""
 
     def describe(self) -> str:
         router = "row form" if self.router_rows else "split-K products"
         return (f"router {router}, {self.router_split} splits x {self.router_block_e} experts; experts BLOCK_M {self.block_m}, "
                 f"gate|up BLOCK_N {self.gate_up_block_n}, down BLOCK_N {self.down_block_n}, BLOCK_K {self.block_k}, "
                 f"{self.num_warps} warps, {self.num_stages} stages (down {self.down_stages or self.num_stages})"
-                + (", fp16 products" if self.half else ""))
+                + (", fp16 products" if self.half else "")
+                + (", top-k and grouping in one program" if self.topk_group else ""))
 
 
 def plan_moe(tokens: int, hidden: int, device: torch.device, **overrides) -> MoePlan:
@@ -150,8 +154,13 @@ def plan_moe(tokens: int, hidden: int, device: torch.device, **overrides) -> Moe
         # bench/results/2026-12-06-h100-moe-routing-ab.log). Three pipeline stages for gate|up at one token
         # (the stage: 119 against 128 us a layer for four, -moe-variants-2.json), four for down (its launch
         # took 31.5 us at four, 36.7 at three in the step profiles) and for both from 8 tokens on.
-        plan = MoePlan(block_t, 16, -(-hidden // 128), 128, 16, 64, 64, 128, 4, 3 if tokens == 1 else 4, 1024,
-                       half=True, router_rows=True, router_warps=8, down_stages=4)
+        # gate|up columns a program: 128 at one token (the stage 107.6 against 116.0 us: 144 programs in one wave
+        # against 288 in 1.09 of the H100's), 32 at two (169.0 against 181.0), 64 above (4 and 8 tokens: 32 and
+        # 128 lost); top-k with the grouping in one program at one token (1.5-1.9 us faster in three draws, a
+        # launch less; 22 us slower at 8 tokens). H100, 2026-12-07, bench/results/2026-12-07-h100-moe-plans-s41-*.json.
+        gate_up_n = {1: 128, 2: 32}.get(tokens, 64)
+        plan = MoePlan(block_t, 16, -(-hidden // 128), 128, 16, gate_up_n, 64, 128, 4, 3 if tokens == 1 else 4, 1024,
+                       half=True, router_rows=True, router_warps=8, down_stages=4, topk_group=tokens == 1)
     else:  # fp16 products: 5-10 % faster than bf16 at 1-64 tokens on the H100 (e4m3 widens to fp16 natively);
         # 64 experts a router program: 9 us a layer faster than 32 at 1 and 8 tokens (H100, 2026-12-06)
         k_split = max(64, hidden // 16)
@@ -183,7 +192,7 @@ class Routing:
 
 def route(x: torch.Tensor, w: ExpertWeights, top_k: int, scale: float, norm: bool, eps: float, plan: MoePlan,
           slots: torch.Tensor | None = None) -> Routing:
-    """Router logits and routing of `x` [T, D], T <= 64, in three launches (rows with `slots` < 0 are padding)."""
+    """Router logits and routing of `x` [T, D], T <= 64, in three launches (two with `plan.topk_group`; rows with `slots` < 0 are padding)."""
     t, d = x.shape
     e = w.router.shape[0]
     if x.stride(1) != 1:
@@ -206,14 +215,18 @@ def route(x: torch.Tensor, w: ExpertWeights, top_k: int, scale: float, norm: boo
     r = Routing(torch.empty(t, top_k, **i32), torch.empty(t, top_k, dtype=torch.float32, device=dev),
                 torch.empty(max_slots, **i32), torch.empty(max_slots, **i32), torch.empty(max_slots, **i32),
                 torch.empty(t * top_k + t, **i32), torch.empty(1, **i32))
-    topk_kernel[(t,)](
-        part, w.bias, slots if slots is not None else r.ids, r.ids, r.weights, t, e, float(scale), float(eps),
-        S=split, TOP_K=top_k, TOP_K_PAD=triton.next_power_of_2(top_k), NORM=norm, HAS_SLOTS=slots is not None,
-        BLOCK_E=triton.next_power_of_2(e))
-    group_kernel[(1,)](
-        r.ids, slots if slots is not None else r.ids, r.slot_expert, r.slot_start, r.slot_count, r.rows, r.n_slots,
-        t, TOP_K=top_k, HAS_SLOTS=slots is not None, BLOCK_T=plan.block_t,
-        SPAN=max(16, triton.next_power_of_2(t * top_k)), BLOCK_M=plan.block_m)
+    slots_arg = slots if slots is not None else r.ids
+    topk = dict(S=split, TOP_K=top_k, TOP_K_PAD=triton.next_power_of_2(top_k), NORM=norm, HAS_SLOTS=slots is not None,
+                BLOCK_E=triton.next_power_of_2(e))
+    group = dict(BLOCK_T=plan.block_t, SPAN=max(16, triton.next_power_of_2(t * top_k)), BLOCK_M=plan.block_m)
+    if plan.topk_group:
+        topk_group_kernel[(1,)](
+            part, w.bias, slots_arg, r.ids, r.weights, r.slot_expert, r.slot_start, r.slot_count, r.rows, r.n_slots,
+            t, e, float(scale), float(eps), **topk, **group)
+        return r
+    topk_kernel[(t,)](part, w.bias, slots_arg, r.ids, r.weights, t, e, float(scale), float(eps), **topk)
+    group_kernel[(1,)](r.ids, slots_arg, r.slot_expert, r.slot_start, r.slot_count, r.rows, r.n_slots, t,
+                       TOP_K=top_k, HAS_SLOTS=slots is not None, **group)
     return r
 
 
@@ -314,7 +327,8 @@ class PrefillPlan:
     def describe(self) -> str:
         return (f"tiles of {self.block_m} rows, gate|up BLOCK_N {self.block_n}, down BLOCK_N {self.down_block_n}, "
                 f"BLOCK_K {self.block_k}, {self.num_warps} warps, {self.num_stages} stages"
-                + (", fp16 products" if self.half else ""))
+                + (", fp16 products" if self.half else "")
+                + (", top-k and grouping in one program" if self.topk_group else ""))
 
 
 def prefill_plan(device: torch.device) -> PrefillPlan:

@@ -61,14 +61,10 @@ def router_rows_kernel(x_ptr, w_ptr, part_ptr, T, E, K, stride_x, K_PER_SPLIT,
 
 
 @triton.jit
-def topk_kernel(part_ptr, bias_ptr, slots_ptr, ids_ptr, weights_ptr, T, E, scale, eps,
+def _topk_token(part_ptr, bias_ptr, slots_ptr, ids_ptr, weights_ptr, t, T, E, scale, eps,
                 S: tl.constexpr, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, NORM: tl.constexpr,
                 HAS_SLOTS: tl.constexpr, BLOCK_E: tl.constexpr):
-    """One token per program: its logits summed over the S splits in order, sigmoid scores, top-k of
-    scores + bias with the lower expert index first among equal values, the chosen scores renormalised
-    and scaled. Writes ids / weights `[T, TOP_K]` (a padded token: -1 / 0). Each pick is one reduction of
-    an int64 key: the order-preserving bits of score + bias above the reversed expert index."""
-    t = tl.program_id(0)
+    """Token t's routing (see `topk_kernel`), stored to ids / weights."""
     e = tl.arange(0, BLOCK_E)
     emask = e < E
     logits = tl.zeros([BLOCK_E], dtype=tl.float32)
@@ -99,16 +95,27 @@ def topk_kernel(part_ptr, bias_ptr, slots_ptr, ids_ptr, weights_ptr, T, E, scale
 
 
 @triton.jit
+def topk_kernel(part_ptr, bias_ptr, slots_ptr, ids_ptr, weights_ptr, T, E, scale, eps,
+                S: tl.constexpr, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, NORM: tl.constexpr,
+                HAS_SLOTS: tl.constexpr, BLOCK_E: tl.constexpr):
+    """One token per program: its logits summed over the S splits in order, sigmoid scores, top-k of
+    scores + bias with the lower expert index first among equal values, the chosen scores renormalised
+    and scaled. Writes ids / weights `[T, TOP_K]` (a padded token: -1 / 0). Each pick is one reduction of
+    an int64 key: the order-preserving bits of score + bias above the reversed expert index."""
+    _topk_token(part_ptr, bias_ptr, slots_ptr, ids_ptr, weights_ptr, tl.program_id(0), T, E, scale, eps,
+                S, TOP_K, TOP_K_PAD, NORM, HAS_SLOTS, BLOCK_E)
+
+
+@triton.jit
 def _max(a, b):
     return tl.maximum(a, b)
 
 
 @triton.jit
-def group_kernel(ids_ptr, slots_ptr, slot_expert_ptr, slot_start_ptr, slot_count_ptr, rows_ptr, n_slots_ptr, T,
-                 TOP_K: tl.constexpr, HAS_SLOTS: tl.constexpr, BLOCK_T: tl.constexpr, SPAN: tl.constexpr,
-                 BLOCK_M: tl.constexpr):
-    """One program: the step's slots and rows (see the module docstring) from ids `[T, TOP_K]` (-1 for a
-    padded token). SPAN: a power of two of at least T * TOP_K."""
+def _group(ids_ptr, slots_ptr, slot_expert_ptr, slot_start_ptr, slot_count_ptr, rows_ptr, n_slots_ptr, T,
+           TOP_K: tl.constexpr, HAS_SLOTS: tl.constexpr, BLOCK_T: tl.constexpr, SPAN: tl.constexpr,
+           BLOCK_M: tl.constexpr):
+    """The grouping of `group_kernel`."""
     t = tl.arange(0, BLOCK_T)
     valid = t < T
     if HAS_SLOTS:
@@ -142,3 +149,29 @@ def group_kernel(ids_ptr, slots_ptr, slot_expert_ptr, slot_start_ptr, slot_count
     tl.store(slot_start_ptr + n_shared + rank, n_valid + i, mask=first)
     tl.store(slot_count_ptr + n_shared + rank, i - run_start + 1, mask=last)
     tl.store(n_slots_ptr, n_shared + tl.sum(first.to(tl.int32), 0))
+
+
+@triton.jit
+def group_kernel(ids_ptr, slots_ptr, slot_expert_ptr, slot_start_ptr, slot_count_ptr, rows_ptr, n_slots_ptr, T,
+                 TOP_K: tl.constexpr, HAS_SLOTS: tl.constexpr, BLOCK_T: tl.constexpr, SPAN: tl.constexpr,
+                 BLOCK_M: tl.constexpr):
+    """One program: the step's slots and rows (see the module docstring) from ids `[T, TOP_K]` (-1 for a
+    padded token). SPAN: a power of two of at least T * TOP_K."""
+    _group(ids_ptr, slots_ptr, slot_expert_ptr, slot_start_ptr, slot_count_ptr, rows_ptr, n_slots_ptr, T,
+           TOP_K, HAS_SLOTS, BLOCK_T, SPAN, BLOCK_M)
+
+
+@triton.jit
+def topk_group_kernel(part_ptr, bias_ptr, slots_ptr, ids_ptr, weights_ptr, slot_expert_ptr, slot_start_ptr,
+                      slot_count_ptr, rows_ptr, n_slots_ptr, T, E, scale, eps,
+                      S: tl.constexpr, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, NORM: tl.constexpr,
+                      HAS_SLOTS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, SPAN: tl.constexpr,
+                      BLOCK_M: tl.constexpr):
+    """`topk_kernel` and `group_kernel` in one program for few tokens (one launch less; the tokens' top-k
+    run one after another): the same ids, weights and grouping."""
+    for t in range(T):
+        _topk_token(part_ptr, bias_ptr, slots_ptr, ids_ptr, weights_ptr, t, T, E, scale, eps,
+                    S, TOP_K, TOP_K_PAD, NORM, HAS_SLOTS, BLOCK_E)
+    tl.debug_barrier()  # the ids this program's threads stored, visible to all of them
+    _group(ids_ptr, slots_ptr, slot_expert_ptr, slot_start_ptr, slot_count_ptr, rows_ptr, n_slots_ptr, T,
+           TOP_K, HAS_SLOTS, BLOCK_T, SPAN, BLOCK_M)
