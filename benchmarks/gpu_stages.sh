@@ -11,7 +11,8 @@
 # the graph tests (asynchronous scheduling through captured graphs against one step at a time), fla's
 # chunk_kda with its chunk list on the device or sized from the host's lengths (time, equality, syncs), and
 # with fla's split of long sequences over the SMs (FLA_INTRACARD_CP=1).
-# PART=7: the whole GPU suite (SUITE=1|2|3|4: a quarter of it). PART=8: the MoE plan's variants. PART=9: issue 25's structure before/after.
+# PART=7: the whole GPU suite (SUITE=1|2|3|4: a quarter of it). PART=8: the MoE plan's variants. PART=9:
+# issue 25's structure before/after.
 # A fresh machine compiles every kernel first: the first part run there needs the longest limits. Logs
 # gather in $OUT/run.log (few files come back per call). fla travels as a wheel in .whl/ (see the device
 # tool's notes). Triton's compiled kernels travel too: a call unpacks .triton/cache.tar.gz (ignored; carry it)

@@ -8,7 +8,7 @@ import torch
 
 from glm5next.config import ROUTER_NORM_EPS
 from glm5next.kernels.moe import (ExpertWeights, PrefillPlan, experts_forward, group_rows, moe_forward, moe_prefill,
-                                  moe_reference, plan_moe, prefill_experts, route, route_reference)
+                                  moe_reference, plan_moe, prefill_experts, prefill_plan, route, route_reference)
 from glm5next.specialized_decode.moe import MoeStage
 
 FP8 = torch.float8_e4m3fn
@@ -97,6 +97,13 @@ def test_topk_and_grouping_in_one_program_equal_two_launches(tokens):
     used = int((slots >= 0).sum()) * (k + 1)  # rows past these are never written
     assert torch.equal(a.rows[:used], b.rows[:used])
     check_grouping(b, route_reference(x, w.router, w.bias, k, 2.5, True, ROUTER_NORM_EPS, slots)[0], slots)
+
+
+def test_plans_describe_themselves():
+    """Each plan's one-line description names its choices (the decode plan's fused top-k included)."""
+    assert "top-k and grouping in one program" in plan_moe(1, 192, torch.device("cpu"), topk_group=True).describe()
+    assert "top-k" not in plan_moe(1, 192, torch.device("cpu")).describe()
+    assert "rows" in prefill_plan(torch.device("cpu")).describe()
 
 
 def test_grouping_check_fails_on_a_wrong_grouping():

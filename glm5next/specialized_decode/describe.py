@@ -124,8 +124,9 @@ def stage_launches(w: dict, config: Glm5NextConfig, stage: str, choice: str, T: 
         return [dict(launch="router_rows" if p.router_rows else "router_logits",
                      grid=(-(-e // p.router_block_e), p.router_split),
                      block=(p.block_t, p.router_block_e, p.router_block_k), warps=p.router_warps),
-                *([dict(launch="topk+group", grid=(1,), block_t=p.block_t, block_m=p.block_m)] if p.topk_group else
-                  [dict(launch="topk", grid=(T,)), dict(launch="group", grid=(1,), block_t=p.block_t, block_m=p.block_m)]),
+                *([dict(launch="topk+group", grid=(1,), block_t=p.block_t, block_m=p.block_m)] if p.topk_group
+                  else [dict(launch="topk", grid=(T,)),
+                        dict(launch="group", grid=(1,), block_t=p.block_t, block_m=p.block_m)]),
                 dict(launch="gate|up+swiglu", grid=(slots, -(-inter // p.gate_up_block_n)),
                      block=(p.block_m, p.gate_up_block_n, p.block_k), stages=p.num_stages, warps=p.num_warps,
                      products="fp16" if p.half else "bf16"),

@@ -1,7 +1,8 @@
 """The MoE layer of a step of up to 64 tokens in six launches (five where the plan has top-k and grouping in
-one program): router logits (split-K), top-k (a program per token), grouping by expert (one program), grouped gate|up with the clamped SwiGLU, grouped down with the
-routing weight, and the per-token combine. Each expert's weights are read once per step for all the
-rows routed to it; the shared expert is one more expert that every valid token routes to with weight 1.
+one program): router logits (split-K), top-k (a program per token), grouping by expert (one program),
+grouped gate|up with the clamped SwiGLU, grouped down with the routing weight, and the per-token combine.
+Each expert's weights are read once per step for all the rows routed to it; the shared expert is one more
+expert that every valid token routes to with weight 1.
 
 Every launch has a static grid (sized for the most experts a step can touch), reads its row counts
 from the device and needs no host sync, so the whole layer is CUDA-graph safe after one eager call
@@ -157,7 +158,8 @@ def plan_moe(tokens: int, hidden: int, device: torch.device, **overrides) -> Moe
         # gate|up columns a program: 128 at one token (the stage 107.6 against 116.0 us: 144 programs in one wave
         # against 288 in 1.09 of the H100's), 32 at two (169.0 against 181.0), 64 above (4 and 8 tokens: 32 and
         # 128 lost); top-k with the grouping in one program at one token (1.5-1.9 us faster in three draws, a
-        # launch less; 22 us slower at 8 tokens). H100, 2026-12-07, bench/results/2026-12-07-h100-moe-plans-s41-*.json.
+        # launch less; 22 us slower at 8 tokens). H100, 2026-12-07,
+        # bench/results/2026-12-07-h100-moe-plans-s41-*.json.
         gate_up_n = {1: 128, 2: 32}.get(tokens, 64)
         plan = MoePlan(block_t, 16, -(-hidden // 128), 128, 16, gate_up_n, 64, 128, 4, 3 if tokens == 1 else 4, 1024,
                        half=True, router_rows=True, router_warps=8, down_stages=4, topk_group=tokens == 1)
@@ -192,7 +194,8 @@ class Routing:
 
 def route(x: torch.Tensor, w: ExpertWeights, top_k: int, scale: float, norm: bool, eps: float, plan: MoePlan,
           slots: torch.Tensor | None = None) -> Routing:
-    """Router logits and routing of `x` [T, D], T <= 64, in three launches (two with `plan.topk_group`; rows with `slots` < 0 are padding)."""
+    """Router logits and routing of `x` [T, D], T <= 64, in three launches (two with `plan.topk_group`; rows
+    with `slots` < 0 are padding)."""
     t, d = x.shape
     e = w.router.shape[0]
     if x.stride(1) != 1:
@@ -327,8 +330,7 @@ class PrefillPlan:
     def describe(self) -> str:
         return (f"tiles of {self.block_m} rows, gate|up BLOCK_N {self.block_n}, down BLOCK_N {self.down_block_n}, "
                 f"BLOCK_K {self.block_k}, {self.num_warps} warps, {self.num_stages} stages"
-                + (", fp16 products" if self.half else "")
-                + (", top-k and grouping in one program" if self.topk_group else ""))
+                + (", fp16 products" if self.half else ""))
 
 
 def prefill_plan(device: torch.device) -> PrefillPlan:
