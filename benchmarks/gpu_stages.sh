@@ -65,7 +65,8 @@ case "${SUITE:-all}" in
 esac
 # Compiling is most of a fresh machine's time and runs on the host's cores: the suite's cases spread over
 # WORKERS processes (pytest-xdist; one GPU shared, correctness only) sharing one Triton cache.
-run "gpu-suite-${SUITE:-all}" ${LIMIT:-560} python -m pytest -q -m gpu -rfE --tb=short -n "${WORKERS:-8}" $files
+xdist=""; python -c "import xdist" 2>/dev/null && xdist="-n ${WORKERS:-8}"
+run "gpu-suite-${SUITE:-all}" ${LIMIT:-560} python -m pytest -q -m gpu -rfE --tb=short $xdist $files
 elif [ "${PART:-1}" = 8 ]; then
 # The MoE plan's variants against the production plan, each output checked against the fp32 reference:
 # MOE_TOKENS (1,2,4,8), MOE_FIELDS (single-field changes, see moe_stage.py's VARIANTS), MOE_PLANS

@@ -209,7 +209,7 @@ def test_cli_small_end_to_end(tmp_path):
     for r in decode:
         assert r["output_tokens"] == 3 * r["concurrency"] and r["output_tokens_per_s"] > 0
         # Steady decode: the two steps after every request's first token, the host time split by part.
-        assert r["decode_steps"] == 2 and r["decode_tokens_per_s"] > 0
+        assert r["decode_steps"] == 2 and r["decode_tokens_per_s"] > 0 and r["cold_ttft_ms"] > 0
         host = r["host_ms_per_step"]
         assert list(host) == list(PARTS) and all(v > 0 for v in host.values())
         assert r["host_work_ms_per_step"] == pytest.approx(sum(v for k, v in host.items() if k != "sample"))
@@ -217,7 +217,7 @@ def test_cli_small_end_to_end(tmp_path):
     prefill = [r for r in result["e2e"] if r.get("prefill")]
     assert [(r["prompt_len"], r["concurrency"]) for r in prefill] == [(16, 1), (16, 2), (24, 1), (24, 2)]
     for r in prefill:
-        assert r["output_tokens"] == r["concurrency"] and r["ttft_ms"] > 0
+        assert r["output_tokens"] == r["concurrency"] and r["ttft_ms"] > 0 and r["cold_ttft_ms"] > 0
         assert r["prefill_tokens_per_s"] == pytest.approx(r["concurrency"] * r["prompt_len"] / r["seconds"])
     # A 30-token prompt beside 3 decodes: 5 prompt tokens a step under a budget of 8 (6 chunks), all 30 under 40
     # (1 chunk); the step that returns the prompt's token may come one later (asynchronous scheduling).
@@ -227,6 +227,7 @@ def test_cli_small_end_to_end(tmp_path):
     for r in mixed:
         assert r["prefill_tokens_per_s"] == pytest.approx(30 / (r["ttft_ms"] / 1e3))
         assert r["decode_tokens_per_s"] > 0 and r["max_step_ms"] > 0 and r["steady_step_ms"] > 0
+        assert r["cold_ttft_ms"] > 0  # the same prompt's first run, untimed but for its first token
 
     assert_plots(out, tmp_path / "result.png")
 

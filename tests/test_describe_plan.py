@@ -1,5 +1,7 @@
 """`glm5next describe-plan` and the tuner's merging of choices whose launches are equal (no GPU)."""
 
+from pathlib import Path
+
 import pytest
 
 from glm5next.bench.slice import GLM53_FLASH_TEXT
@@ -45,3 +47,16 @@ def test_merge_names_equal_launches_by_the_first_choice(real):
     small = Glm5NextConfig.from_dict(dict(GLM53_FLASH_TEXT, vocab_size=4096, num_hidden_layers=4,
                                           first_k_dense_replace=1))
     assert merge_equal_choices({"logits_head": {"1": "splitk"}}, small) == {"logits_head": {"1": "splitk"}}
+
+
+def test_readme_shows_the_printers_output(capsys):
+    """README's plan at 1, 8 and 64 tokens is what `describe-plan` prints now, and its short excerpt is a part of
+    it (a policy or plan change that does not update the README fails here)."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    marker = "<!-- describe-plan --tokens 1,8,64"
+    full = readme[readme.index(marker):].split("```\n")[1]
+    assert main(["describe-plan", "--tokens", "1,8,64"]) == 0
+    assert full == capsys.readouterr().out
+    intro = readme.index("`glm5next describe-plan [--tokens 1,8,64] [--policy FILE]` prints")
+    excerpt = readme[intro:].split("```\n")[1].splitlines()
+    assert excerpt and set(excerpt) <= set(full.splitlines())

@@ -173,28 +173,31 @@ def format_table(result: dict) -> str:
     mixed = [r for r in result.get("e2e", []) if r.get("mixed")]
     if decode:
         parts = list(next((r["host_ms_per_step"] for r in decode if "host_ms_per_step" in r), {}))
-        lines.append(f"{'conc':>4} {'out tok':>8} {'seconds':>8} {'tok/s':>9} {'TPOT ms':>8} {'TTFT ms':>8} "
+        lines.append(f"{'conc':>4} {'out tok':>8} {'seconds':>8} {'tok/s':>9} {'TPOT ms':>8} {'TTFT ms':>8} {'1st TTFT':>8} "
                      f"{'dec tok/s':>9} {'step tok/s':>10} {'x step':>6} {'step ms':>8} "
                      + " ".join(f"{p[:8]:>8}" for p in parts) + "  (steady decode: host ms a step by part)")
         for r in decode:
             host = r.get("host_ms_per_step", {})
             lines.append(f"{r['concurrency']:>4} {r['output_tokens']:>8} {r['seconds']:>8.2f} "
                          f"{r['output_tokens_per_s']:>9.1f} {cell(r, 'tpot_ms', 8, 2)} {r['ttft_ms']:>8.1f} "
+                         f"{cell(r, 'cold_ttft_ms', 8, 1)} "
                          f"{cell(r, 'decode_tokens_per_s', 9, 1)} {cell(r, 'step_tokens_per_s', 10, 1)} "
                          f"{cell(r, 'engine_over_step', 6, 2)} {cell(r, 'decode_step_ms', 8, 2)} "
                          + " ".join(cell(host, p, 8, 3) for p in parts))
     if prefill:
-        lines.append(f"{'prompts':>7} {'tokens':>7} {'TTFT ms':>9} {'prefill tok/s':>13} {'steps':>6}")
+        lines.append(f"{'prompts':>7} {'tokens':>7} {'TTFT ms':>9} {'prefill tok/s':>13} {'steps':>6} "
+                     f"{'1st TTFT':>9}  (1st: the shape's first run, compiling included)")
         for r in prefill:
             lines.append(f"{r['concurrency']:>7} {r['prompt_len']:>7} {r['ttft_ms']:>9.1f} "
-                         f"{r['prefill_tokens_per_s']:>13.0f} {r['steps']:>6}")
+                         f"{r['prefill_tokens_per_s']:>13.0f} {r['steps']:>6} {cell(r, 'cold_ttft_ms', 9, 1)}")
     if mixed:
         lines.append(f"{'budget':>7} {'decodes':>7} {'prompt':>7} {'TTFT ms':>9} {'prefill tok/s':>13} "
-                     f"{'dec tok/s':>9} {'max step ms':>11} {'steady ms':>9}  (a prompt prefilled beside decodes)")
+                     f"{'dec tok/s':>9} {'max step ms':>11} {'steady ms':>9} {'1st TTFT':>9}  (a prompt prefilled "
+                     "beside decodes; 1st: the first such prompt, compiling included)")
         for r in mixed:
             lines.append(f"{r['budget']:>7} {r['decodes']:>7} {r['prompt_len']:>7} {r['ttft_ms']:>9.1f} "
                          f"{r['prefill_tokens_per_s']:>13.0f} {r['decode_tokens_per_s']:>9.1f} "
-                         f"{r['max_step_ms']:>11.2f} {r['steady_step_ms']:>9.2f}")
+                         f"{r['max_step_ms']:>11.2f} {r['steady_step_ms']:>9.2f} {cell(r, 'cold_ttft_ms', 9, 1)}")
     lines += [f"note: {n}" for n in result.get("notes", [])]
     return "\n".join(lines)
 

@@ -250,7 +250,8 @@ def run_e2e(model, device: torch.device, opts: StockOptions, notes: list) -> lis
     output token, time to first token, and the steady decode (the steps after every request has its first
     token): its tokens/s, its wall time per step and the engine's host time per step by part
     (`glm5next.runtime.host_times`). Then prefill: `prefill_requests` prompts of each of `prefill_lens`
-    tokens at once, one output token each: time to first token and prompt tokens/s."""
+    tokens at once, one output token each: time to first token and prompt tokens/s. Every shape runs once
+    untimed before (its time to first token kept as `cold_ttft_ms`), so what it alone compiles is not timed."""
     levels = sorted(set(opts.concurrency))
     if not levels and not opts.prefill_lens and not opts.mixed_budgets:
         return []
@@ -315,15 +316,22 @@ def run_e2e(model, device: torch.device, opts: StockOptions, notes: list) -> lis
             row["host_work_ms_per_step"] = sum(v for k, v in row["host_ms_per_step"].items() if k != "sample")
         return row
 
-    run("warmup", 1, opts.prompt_len, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=4))
+    # Each shape runs once untimed first: its first run pays the compiling of kernels it is the first to need
+    # (Triton's JIT, fla's autotuning), which a served model pays once per process. That run's time to first
+    # token is kept beside the timed one as `cold_ttft_ms`.
+    # The untimed run generates as many tokens as the timed one: its steps mix decodes and prompt chunks alike
+    # (s42, H100: after an untimed run of 2 tokens a request, 64 requests' first tokens still took 24.8 s).
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=opts.gen_len)
     rows = []
     for n in levels:
+        cold = run(f"c{n}-cold", n, opts.prompt_len, params)
         row = run(f"c{n}", n, opts.prompt_len, params)
+        row["cold_ttft_ms"] = cold["ttft_ms"]
         rows.append(row)
         if engine.spec:
             row["speculative"] = engine.spec_metrics()
         log(f"concurrency {n}: {row['output_tokens_per_s']:.1f} output tokens/s, TPOT {row['tpot_ms']:.2f} ms, "
+            f"TTFT {row['ttft_ms']:.1f} ms (first run {row['cold_ttft_ms']:.1f}), "
             f"{row['graph_steps']}/{row['steps']} steps from graphs"
             + (f"; steady decode {row['decode_tokens_per_s']:.1f} tokens/s, {row['decode_step_ms']:.2f} ms a step, "
                f"host work {row['host_work_ms_per_step']:.2f} ms" if "decode_steps" in row else "")
@@ -331,12 +339,14 @@ def run_e2e(model, device: torch.device, opts: StockOptions, notes: list) -> lis
     one = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1)
     for length in opts.prefill_lens:
         for n in opts.prefill_requests:
+            cold = run(f"p{length}x{n}-cold", n, length, one)
             row = run(f"p{length}x{n}", n, length, one)
             row["prefill"] = True
+            row["cold_ttft_ms"] = cold["ttft_ms"]
             row["prefill_tokens_per_s"] = n * length / max(row["seconds"], 1e-9)
             rows.append(row)
             log(f"prefill {n} x {length} tokens: {row['prefill_tokens_per_s']:.0f} tokens/s, "
-                f"TTFT {row['ttft_ms']:.1f} ms, {row['steps']} steps")
+                f"TTFT {row['ttft_ms']:.1f} ms (its first run {row['cold_ttft_ms']:.1f} ms), {row['steps']} steps")
     del engine
     _release(device)
     for budget in opts.mixed_budgets:
@@ -355,14 +365,15 @@ def run_mixed(model, device: torch.device, opts: StockOptions, budget: int) -> d
     prefill: each step runs every decode and up to the rest of the budget of the prompt). The prompt's time to
     first token and prefill tokens/s; the decodes' tokens/s and their longest step while it is prefilled,
     against their steady step before it. A larger budget prefills in fewer, longer steps: prompts come sooner,
-    decodes stall longer."""
+    decodes stall longer. The same prompt runs once before, untimed but for its time to first token
+    (`cold_ttft_ms`): the mixed steps' first run compiles the kernels they alone use."""
     n, long_len, bs = opts.mixed_decodes, opts.mixed_prompt, opts.block_size
     if n < 1 or long_len < 1 or budget <= n:
         raise ValueError(f"mixed rows: budget {budget} must exceed the {n} decoding requests, and the prompt "
                          f"({long_len} tokens) must not be empty")
     cuda = device.type == "cuda"
     chunks = -(-long_len // (budget - n))
-    gen = chunks + 32  # the decodes outlast their own start, the steady steps and the prompt's chunks
+    gen = 2 * chunks + 32  # the decodes outlast their own start, the steady steps and the prompts' chunks
     short_len = opts.prompt_len + gen + bs
     long_cached = long_len + bs
     engine = LLMEngine.from_model(
@@ -382,17 +393,22 @@ def run_mixed(model, device: torch.device, opts: StockOptions, budget: int) -> d
         if len(started) == n:
             steady.append(time.perf_counter() - t)
         started.update(o.request_id for o in outs if o.outputs[0].token_ids)
-    engine.add_request("long", [rng.randrange(vocab) for _ in range(long_len)],
-                       SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1))
-    t0 = now = time.perf_counter()
-    window, decoded, done = [], 0, False
-    while not done:
-        outs = engine.step()
-        start, now = now, time.perf_counter()
-        window.append(now - start)
-        decoded += sum(1 for o in outs if o.request_id != "long")
-        done = any(o.request_id == "long" and o.finished for o in outs)
-    ttft = now - t0
+
+    def prompt(name: str) -> tuple[float, list[float], int]:
+        engine.add_request(name, [rng.randrange(vocab) for _ in range(long_len)],
+                           SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1))
+        t0 = now = time.perf_counter()
+        window, decoded, done = [], 0, False
+        while not done:
+            outs = engine.step()
+            start, now = now, time.perf_counter()
+            window.append(now - start)
+            decoded += sum(1 for o in outs if o.request_id.startswith("d"))
+            done = any(o.request_id == name and o.finished for o in outs)
+        return now - t0, window, decoded
+
+    cold, _, _ = prompt("long-cold")  # the mixed steps' first run compiles what they alone use
+    ttft, window, decoded = prompt("long")
     if engine.num_unfinished() < n:
         raise RuntimeError(f"mixed row, budget {budget}: a decoding request finished before the prompt did")
     for i in range(n):
@@ -402,7 +418,7 @@ def run_mixed(model, device: torch.device, opts: StockOptions, budget: int) -> d
     return {"mixed": True, "budget": budget, "decodes": n, "prompt_len": long_len, "ttft_ms": 1e3 * ttft,
             "prefill_tokens_per_s": long_len / max(ttft, 1e-9), "steps": len(window),
             "decode_tokens_per_s": decoded / max(ttft, 1e-9), "max_step_ms": 1e3 * max(window),
-            "steady_step_ms": 1e3 * statistics.median(steady)}
+            "steady_step_ms": 1e3 * statistics.median(steady), "cold_ttft_ms": 1e3 * cold}
 
 
 def attach_step_rates(e2e: list, steps: list, key: str) -> None:
