@@ -1,4 +1,5 @@
-"""Plot a `glm5next bench` result: step time vs tokens (eager, CUDA graph, floor) and engine throughput;
+"""Plot a `glm5next bench` result: step time vs tokens (eager, CUDA graph, floor), engine throughput, the
+steady decode's time by part, prefill tokens/s by prompt length and the mixed rows' stalls;
 for a speculative result, tokens/s vs concurrency per assumed accepted length and verify-step time vs tokens.
 
     python bench/plot.py bench/results/RESULT.json [-o RESULT.png]
@@ -84,7 +85,9 @@ def plot(result: dict, out: str) -> str:
     steps = result.get("steps") or []
     e2e = [r for r in result.get("e2e") or [] if not r.get("prefill") and not r.get("mixed")]
     split = [r for r in e2e if r.get("host_ms_per_step")]
-    panels = (1 if steps else 0) + (1 if e2e else 0) + (1 if split else 0)
+    prefill = [r for r in result.get("e2e") or [] if r.get("prefill")]
+    mixed = [r for r in result.get("e2e") or [] if r.get("mixed")]
+    panels = sum(1 for part in (steps, e2e, split, prefill, mixed) if part)
     if not panels:
         raise ValueError("the result holds neither step times nor end-to-end rows")
     fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4.8), squeeze=False)
@@ -112,7 +115,13 @@ def plot(result: dict, out: str) -> str:
     if e2e:
         ax = axes.pop(0)
         xs, ys = _series(e2e, "concurrency", "output_tokens_per_s")
-        ax.plot(xs, ys, "o-", color="tab:green", label="output tokens/s")
+        ax.plot(xs, ys, "o-", color="tab:green", label="output tokens/s (whole run)")
+        for key, label, style in (("decode_tokens_per_s", "steady decode tokens/s", "^-"),
+                                  ("step_tokens_per_s", "the captured step's tokens/s", "k:")):
+            dx, dy = _series(e2e, "concurrency", key)
+            if dx:
+                ax.plot(dx, dy, style, label=label)
+        ax.legend(fontsize=7, loc="upper left")
         ax.set_xscale("log", base=2)
         ax.set_xticks(xs, [str(x) for x in xs])
         ax.set_xlabel("concurrent requests")
@@ -149,6 +158,43 @@ def plot(result: dict, out: str) -> str:
         ax.set_title("steady decode: engine time a step by part")
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=7, loc="lower right")
+    if prefill:
+        # Prompt tokens/s by prompt length, one line per number of prompts sent together; each point's time to
+        # first token beside it (the shape's first run, which compiles, is not in the line).
+        ax = axes.pop(0)
+        for n in sorted({r["concurrency"] for r in prefill}):
+            rows = sorted((r for r in prefill if r["concurrency"] == n), key=lambda r: r["prompt_len"])
+            xs = [r["prompt_len"] for r in rows]
+            ax.plot(xs, [r["prefill_tokens_per_s"] / 1e3 for r in rows], "o-", label=f"{n} prompt{'s' * (n > 1)}")
+            for r in rows:
+                ax.annotate(f"{r['ttft_ms']:.0f} ms", (r["prompt_len"], r["prefill_tokens_per_s"] / 1e3),
+                            textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7)
+        lens = sorted({r["prompt_len"] for r in prefill})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(lens, [str(x) for x in lens])
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel("prompt tokens/s (thousands)")
+        ax.set_title("prefill (labels: time to first token)")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    if mixed:
+        # One prompt prefilled in chunks beside decoding requests, per step token budget: its time to first
+        # token against the decodes' longest step while it runs (their steady step as the dashed line).
+        ax = axes.pop(0)
+        labels = [str(r["budget"]) for r in mixed]
+        pos = list(range(len(mixed)))
+        ax.bar([p - 0.2 for p in pos], [r["ttft_ms"] for r in mixed], 0.4, label="prompt's time to first token")
+        ax.bar([p + 0.2 for p in pos], [r["max_step_ms"] for r in mixed], 0.4, label="decodes' longest step")
+        ax.plot(pos, [r["steady_step_ms"] for r in mixed], "k--", label="decodes' steady step")
+        ax.set_xticks(pos, labels)
+        ax.set_yscale("log")
+        ax.set_xlabel("step token budget")
+        ax.set_ylabel("ms")
+        r0 = mixed[0]
+        ax.set_title(f"a {r0['prompt_len']}-token prompt beside {r0['decodes']} decodes")
+        ax.grid(True, axis="y", which="both", alpha=0.3)
+        ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
