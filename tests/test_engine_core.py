@@ -251,3 +251,10 @@ def test_abort_while_a_step_is_in_flight(tiny_fp32, tiny_dir):
     final, _ = run(engine, [])
     assert final["b"].outputs[0].token_ids == alone_final["b"].outputs[0].token_ids
     assert_all_free(engine)
+
+
+def test_step_budget_defaults_as_vllms_and_a_given_one_wins(tiny_fp32, tiny_dir):
+    """Off a large GPU an engine (as `LLM`) takes 8192 tokens a step by default; a given budget is the
+    scheduler's."""
+    assert make_engine(tiny_fp32, tiny_dir).scheduler.max_num_batched_tokens == 8192
+    assert make_engine(tiny_fp32, tiny_dir, max_num_batched_tokens=16).scheduler.max_num_batched_tokens == 16

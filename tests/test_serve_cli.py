@@ -13,8 +13,9 @@ import urllib.error
 import urllib.request
 
 import pytest
+import torch
 
-from glm5next.server.cli import API_KEY_ENV, add_serve_parser, exposure_warning, server_settings
+from glm5next.server.cli import API_KEY_ENV, add_serve_parser, engine_args, exposure_warning, server_settings
 
 KEY = "sk-cli-test"
 
@@ -80,3 +81,12 @@ def test_serve_options(monkeypatch):
     assert "without an API key" in exposure_warning("0.0.0.0", None)
     assert "without an API key" in exposure_warning("10.0.0.5", None)
     assert exposure_warning("0.0.0.0", "k") is None and exposure_warning("127.0.0.1", None) is None
+
+
+def test_serve_takes_a_servers_step_budget():
+    """`serve` builds a server's engine: 2048 tokens a step by default off a large GPU (8192 on one), as vLLM's
+    API server; a given budget wins."""
+    args = engine_args(_args())
+    assert args.serving and args.max_num_batched_tokens is None
+    assert args.step_budget(torch.device("cpu")) == 2048
+    assert engine_args(_args("--max-num-batched-tokens", "4096")).step_budget(torch.device("cpu")) == 4096

@@ -158,8 +158,9 @@ class LLMEngine:
         if self.spec:  # verify steps run q = k + 1 tokens per request: capture multiples of q
             q = self.spec.num_speculative_tokens + 1
             self.capture_sizes = tuple(sorted({q * max(1, s // q) for s in self.capture_sizes}))
+        self.max_num_batched_tokens = args.step_budget(self.device)
         self.plan = plan_cache(
-            self.model, self.max_model_len, args.block_size, args.max_num_seqs, args.max_num_batched_tokens,
+            self.model, self.max_model_len, args.block_size, args.max_num_seqs, self.max_num_batched_tokens,
             args.num_blocks, args.gpu_memory_utilization, self.capture_sizes[-1] if not args.enforce_eager else 0,
             include_mtp=bool(self.spec),
             verify_tokens=self.spec.num_speculative_tokens + 1 if self.spec else 0,
@@ -181,7 +182,7 @@ class LLMEngine:
         if self.tp.size > 1 and self.tp.is_driver:
             self.runner = DrivenRunner(self.runner, self.tp)
         self.scheduler = Scheduler(BlockManager(self.plan.num_blocks, args.max_num_seqs, args.block_size),
-                                   args.max_num_seqs, args.max_num_batched_tokens)
+                                   args.max_num_seqs, self.max_num_batched_tokens)
         self.drafter = None
         self._ended: list[str] = []
         """Speculative decoding: requests ended since the last step's plan (rank 0 tells the others)."""
@@ -196,8 +197,8 @@ class LLMEngine:
             if self.device.type == "cuda" and not args.enforce_eager:
                 self.draft_graphs.capture()
             self.scheduler.verify_tokens, self.scheduler.lookahead = k + 1, k
-            if args.max_num_batched_tokens < k + 1:
-                raise ValueError(f"max_num_batched_tokens={args.max_num_batched_tokens} cannot hold one "
+            if self.max_num_batched_tokens < k + 1:
+                raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} cannot hold one "
                                  f"{k + 1}-token verify")
         self.sampler = BatchSampler(self.config.vocab_size)
         self.eos_token_ids = frozenset(

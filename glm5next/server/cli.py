@@ -72,11 +72,16 @@ def server_settings(args) -> ServerSettings:
                           access_log=not args.no_access_log)
 
 
+def engine_args(args) -> EngineArgs:
+    """The engine arguments of the parsed `serve` options: a server's (its smaller default step budget)."""
+    return EngineArgs.from_cli(args, seed=args.seed, progress=True, serving=True)
+
+
 async def _serve(args) -> int:
     settings = server_settings(args)  # refuse bad options before loading
     start = time.perf_counter()
     logger.info("loading %s", args.model)
-    core = LLMEngine(EngineArgs.from_cli(args, seed=args.seed, progress=True))
+    core = LLMEngine(engine_args(args))
     if not core.tp.is_driver:  # tensor parallelism: rank 0 serves and drives this rank's forwards
         for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 handles them, then releases this rank
             signal.signal(sig, signal.SIG_IGN)
