@@ -12,7 +12,7 @@
 # chunk_kda with its chunk list on the device or sized from the host's lengths (time, equality, syncs), and
 # with fla's split of long sequences over the SMs (FLA_INTRACARD_CP=1).
 # PART=7: the whole GPU suite (SUITE=1|2|3|4: a quarter of it). PART=8: the MoE plan's variants. PART=9:
-# issue 25's structure before/after.
+# issue 25's structure before/after. PART=10: the engine's steps of 64 requests and its prompts alone.
 # A fresh machine compiles every kernel first: the first part run there needs the longest limits. Logs
 # gather in $OUT/run.log (few files come back per call). fla travels as a wheel in .whl/ (see the device
 # tool's notes). Triton's compiled kernels travel too: a call unpacks .triton/cache.tar.gz (ignored; carry it)
@@ -86,6 +86,13 @@ for c in ${COMMITS:-da46c84 095c8fe 11f0e7c 3816bd3}; do
     --policy glm5next/specialized_decode/policies/nvidia-h200.json --tokens 1,8,64 --skip-eager --skip-graph \
     --skip-e2e --replays 20 --out "$OUT/structure-$c.json")
 done
+elif [ "${PART:-1}" = 10 ]; then
+# s42's open engine questions: each step of 64 short requests twice over (its rows, its time, the kernel
+# variants it loads: the 24.8 s first tokens of s42's second round), then the engine's prompts of 8192 and
+# 32768 tokens alone and 8 together at the default step budget (16384 tokens on an H100 / H200).
+run engine-steps 300 python benchmarks/engine_steps.py --concurrency 64 --out "$OUT/engine-steps.json"
+run e2e-prefill 240 python -m glm5next.bench.cli --mode specialized --tokens 1 --concurrency "" --skip-eager \
+  --skip-graph --prefill-lens 8192,32768 --prefill-requests 1,8 --out "$OUT/e2e-prefill.json"
 elif [ "${PART:-1}" = 5 ]; then
 run e2e 540 python -m glm5next.bench.cli --mode specialized --tokens 1,4,16,64 --concurrency 1,4,16,64 \
   --skip-eager --skip-graph --mixed-budgets 512,2048,8192 --out "$OUT/e2e.json"
