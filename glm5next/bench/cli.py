@@ -173,8 +173,8 @@ def format_table(result: dict) -> str:
     mixed = [r for r in result.get("e2e", []) if r.get("mixed")]
     if decode:
         parts = list(next((r["host_ms_per_step"] for r in decode if "host_ms_per_step" in r), {}))
-        lines.append(f"{'conc':>4} {'out tok':>8} {'seconds':>8} {'tok/s':>9} {'TPOT ms':>8} {'TTFT ms':>8} {'1st TTFT':>8} "
-                     f"{'dec tok/s':>9} {'step tok/s':>10} {'x step':>6} {'step ms':>8} "
+        lines.append(f"{'conc':>4} {'out tok':>8} {'seconds':>8} {'tok/s':>9} {'TPOT ms':>8} {'TTFT ms':>8} "
+                     f"{'1st TTFT':>8} {'dec tok/s':>9} {'step tok/s':>10} {'x step':>6} {'step ms':>8} "
                      + " ".join(f"{p[:8]:>8}" for p in parts) + "  (steady decode: host ms a step by part)")
         for r in decode:
             host = r.get("host_ms_per_step", {})
