@@ -35,6 +35,8 @@ def main() -> None:
     ap.add_argument("--slow-ms", type=float, default=300.0, help="profile steps slower than this")
     ap.add_argument("--policy", default=None)
     ap.add_argument("--small", action="store_true", help="the small slice (a check of this script on the CPU)")
+    ap.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
+                    help="the engine's startup warm-up (default: the engine's, on a GPU)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
@@ -43,9 +45,28 @@ def main() -> None:
     n, bs = args.concurrency, 16
     sizes = tuple(int(x) for x in args.capture_sizes.split(","))
     blocks = max(n * -(-(args.prompt_len + args.gen + bs) // bs), 8 * -(-(args.max_model_len) // bs))
+    loads = []  # each kernel variant the process compiles or loads from Triton's cache, with its arguments' kinds
+
+    def on_load(*, repr, fn, **_):
+        loads.append(f"{fn.module}.{fn.name}: {repr}")
+
+    knobs.runtime.jit_cache_hook = on_load
+    warm = {}
+    warm_up = LLMEngine._warm_up
+
+    def timed_warm_up(self):  # the engine's startup warm-up, timed with the kernel variants it loads
+        t, loaded = time.perf_counter(), len(loads)
+        warm_up(self)
+        warm.update(seconds=round(time.perf_counter() - t, 2), kernels_loaded=len(loads) - loaded)
+
+    LLMEngine._warm_up = timed_warm_up
+    t = time.perf_counter()
     engine = LLMEngine.from_model(model, max_model_len=args.max_model_len, max_num_seqs=max(n, 8),
                                   num_blocks=blocks + 4, block_size=bs, capture_sizes=sizes, enforce_eager=not cuda,
-                                  decode_backend="specialized" if cuda else "stock", policy=args.policy)
+                                  decode_backend="specialized" if cuda else "stock", policy=args.policy,
+                                  warmup=args.warmup)
+    startup = {"seconds": round(time.perf_counter() - t, 2), "warm_up": warm or None}
+    print(f"engine built in {startup['seconds']} s; warm-up {warm or 'not run'}", flush=True)
     plans = []
     schedule = engine.scheduler.schedule
 
@@ -56,12 +77,6 @@ def main() -> None:
         return out
 
     engine.scheduler.schedule = recorded
-    loads = []  # each kernel variant the process compiles or loads from Triton's cache, with its arguments' kinds
-
-    def on_load(*, repr, fn, **_):
-        loads.append(f"{fn.module}.{fn.name}: {repr}")
-
-    knobs.runtime.jit_cache_hook = on_load
     rng = random.Random(0)
     vocab = model.config.vocab_size
     rounds = []
@@ -95,7 +110,7 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name() if cuda else "cpu", "concurrency": n,
-                       "prompt_len": args.prompt_len, "rounds": rounds}, f, indent=1)
+                       "prompt_len": args.prompt_len, "startup": startup, "rounds": rounds}, f, indent=1)
 
 
 if __name__ == "__main__":

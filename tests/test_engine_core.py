@@ -258,3 +258,69 @@ def test_step_budget_defaults_as_vllms_and_a_given_one_wins(tiny_fp32, tiny_dir)
     scheduler's."""
     assert make_engine(tiny_fp32, tiny_dir).scheduler.max_num_batched_tokens == 8192
     assert make_engine(tiny_fp32, tiny_dir, max_num_batched_tokens=16).scheduler.max_num_batched_tokens == 16
+
+
+# ---------------------------------------------------------------------------------------------- warm-up
+WARM = dict(max_num_seqs=4, max_num_batched_tokens=64)
+"""A step budget small enough for the CPU: the warm-up runs 3 prompts of 21 tokens, then 3 decodes beside 61."""
+
+
+def cache_tensors(engine):
+    return engine.cache.tensors() + [t for s in engine.cache.kda.values() for t in (s.verify or {}).values()]
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(), dict(async_scheduling=False), dict(block_size=4, num_blocks=34, max_model_len=128),
+     dict(speculative_config={"method": "mtp", "num_speculative_tokens": 2})],
+    ids=["overlapped", "one-step-at-a-time", "tight-cache", "speculative"],
+)
+def test_warm_up_changes_no_token_and_leaves_the_engine_as_built(tiny_fp32, tiny_dir, kw):
+    """An engine that warmed up holds what a fresh one holds (cache contents, the allocator's free lists in
+    order, no requests, counters, the seed stream of unseeded requests) and gives every request the same
+    tokens, greedy, seeded and unseeded."""
+    cold = make_engine(tiny_fp32, tiny_dir, **WARM, **kw)
+    warm = make_engine(tiny_fp32, tiny_dir, warmup=True, **WARM, **kw)
+    for a, b in zip(cache_tensors(cold), cache_tensors(warm), strict=True):
+        assert torch.equal(a, b)
+    cbm, wbm = cold.scheduler.block_manager, warm.scheduler.block_manager
+    assert (wbm._free_blocks, wbm._free_slots) == (cbm._free_blocks, cbm._free_slots)
+    assert not warm.scheduler.requests and not warm.scheduler.waiting and not warm.scheduler.running
+    assert warm.stats == cold.stats and warm.runner.num_replays == cold.runner.num_replays
+    assert (warm.host_times.seconds, warm.host_times.steps) == (cold.host_times.seconds, cold.host_times.steps)
+    assert torch.equal(warm._seeds.get_state(), cold._seeds.get_state())
+    reqs = workload(5) + [("unseeded", [3, 1, 4], SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True))]
+    want, _ = run(cold, reqs)
+    got, _ = run(warm, reqs)
+    assert {rid: (o.outputs[0].token_ids, o.outputs[0].finish_reason) for rid, o in got.items()} == \
+        {rid: (o.outputs[0].token_ids, o.outputs[0].finish_reason) for rid, o in want.items()}
+    assert warm.stats == cold.stats
+    assert_all_free(warm)
+
+
+def test_warm_up_runs_a_full_prefill_step_the_sampler_and_a_mixed_step(tiny_fp32, tiny_dir, monkeypatch, caplog):
+    """Off by default on the CPU; asked for, a step of prompts filling the step budget (each sampled), then a
+    prompt beside their decodes, through the engine's own runner and sampler; its time is logged."""
+    from glm5next.runtime.batch_sampler import BatchSampler
+    from glm5next.runtime.runner import Runner
+
+    steps, sampled = [], []
+    execute, sample = Runner.execute, BatchSampler.sample
+
+    def spy_execute(self, items, num_decodes, *args, **kwargs):
+        steps.append((num_decodes, [n for _, _, n, _, _ in items]))
+        return execute(self, items, num_decodes, *args, **kwargs)
+
+    def spy_sample(self, logits, *args, **kwargs):
+        sampled.append(logits.shape[0])
+        return sample(self, logits, *args, **kwargs)
+
+    monkeypatch.setattr(Runner, "execute", spy_execute)
+    monkeypatch.setattr(BatchSampler, "sample", spy_sample)
+    make_engine(tiny_fp32, tiny_dir, **WARM)
+    assert not steps and not sampled
+    with caplog.at_level("INFO", logger="glm5next.runtime.engine_core"):
+        make_engine(tiny_fp32, tiny_dir, warmup=True, **WARM)
+    assert steps == [(0, [21, 21, 21]), (3, [1, 1, 1, 61])]  # 63 and 64 tokens: the budget is 64
+    assert sampled == [3, 4]
+    assert "warm-up (3 x 21 prompt tokens, then 3 decodes beside a 61-token prompt) took" in caplog.text

@@ -1,6 +1,6 @@
-"""`glm5next serve` as users start it (here with MTP speculative decoding and an API key from the
-environment): it shows loading progress, prints its address, enforces the key, logs each request, serves its
-metrics, and stops cleanly on SIGTERM."""
+"""`glm5next serve` as users start it (here with MTP speculative decoding, a warm-up and an API key from the
+environment): it shows loading progress, logs its warm-up, prints its address, enforces the key, logs each
+request, serves its metrics, and stops cleanly on SIGTERM."""
 
 import argparse
 import json
@@ -28,7 +28,7 @@ def _get(url: str, headers: dict | None = None, data: bytes | None = None):
 def test_serve_starts_answers_and_stops(tiny_dir):
     cmd = [sys.executable, "-m", "glm5next.cli", "serve", "--model", tiny_dir, "--port", "0", "--dtype", "float32",
            "--device", "cpu", "--max-model-len", "64", "--served-model-name", "tiny",
-           "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}']
+           "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}', "--warmup"]
     env = dict(os.environ, PYTHONUNBUFFERED="1", **{API_KEY_ENV: KEY})
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
@@ -52,6 +52,7 @@ def test_serve_starts_answers_and_stops(tiny_dir):
         assert proc.wait(timeout=60) == 0
         log = proc.stderr.read()
         assert "loading weights" in log and "100%" in log  # the progress bar of the checkpoint's tensors
+        assert re.search(r"INFO glm5next.runtime.engine_core: warm-up \(.*\) took [0-9.]+ s", log), log
         assert re.search(r'"POST /v1/completions HTTP/1.1" 401 .*\n.*"POST /v1/completions HTTP/1.1" 200', log), log
         assert "shutting down" in log and "stopped" in log
         assert "without an API key" not in log
@@ -90,3 +91,10 @@ def test_serve_takes_a_servers_step_budget():
     assert args.serving and args.max_num_batched_tokens is None
     assert args.step_budget(torch.device("cpu")) == 2048
     assert engine_args(_args("--max-num-batched-tokens", "4096")).step_budget(torch.device("cpu")) == 4096
+
+
+def test_serve_warms_up_by_default_where_kernels_compile():
+    """No option: the engine decides (on a GPU); `--warmup` and `--no-warmup` decide for it."""
+    assert engine_args(_args()).warmup is None
+    assert engine_args(_args("--warmup")).warmup is True
+    assert engine_args(_args("--no-warmup")).warmup is False

@@ -166,7 +166,7 @@ def _engine_ranks(rank: int, size: int, model_dir: str):
     from glm5next import LLM, SamplingParams
     from glm5next.runtime.async_engine import AsyncLLM
 
-    llm = LLM(model_dir, tensor_parallel_size=size, **ENGINE_ARGS)
+    llm = LLM(model_dir, tensor_parallel_size=size, warmup=True, **ENGINE_ARGS)  # rank 0 drives it too
     tokens = _greedy(llm, PROMPTS)
     if llm.engine.tp.is_driver:  # as `serve` runs it: the async engine on rank 0, the others follow
 
@@ -186,6 +186,7 @@ def _engine_ranks(rank: int, size: int, model_dir: str):
 
 
 def test_engine_greedy_tokens_identical_with_rank_zero_driving(tp_dir):
+    """Every rank returns the tokens of one process (which does not warm up; the ranks do)."""
     from glm5next import LLM
 
     want = _greedy(LLM(tp_dir, **ENGINE_ARGS), PROMPTS)
@@ -211,14 +212,16 @@ def _speculative(llm):
 def _speculative_ranks(rank: int, size: int, model_dir: str, graph_mode: bool):
     from glm5next import LLM
 
-    llm = LLM(model_dir, tensor_parallel_size=size, speculative_config=SPEC, **ENGINE_ARGS)
+    # One run of the two warms up first: under gloo its steps cost about 1.5 s a run.
+    llm = LLM(model_dir, tensor_parallel_size=size, speculative_config=SPEC, warmup=not graph_mode, **ENGINE_ARGS)
     getattr(llm.engine.runner, "runner", llm.engine.runner).graph_mode = graph_mode  # the captured paths, eagerly
     return _speculative(llm)
 
 
 def test_speculative_decoding_under_tensor_parallelism(tp_dir):
     """Rank 0 broadcasts each speculative step's plan; every rank verifies, accepts and drafts alike. Greedy
-    rows equal plain decoding, sampled rows (seeded) equal one process with speculation."""
+    rows equal plain decoding, sampled rows (seeded) equal one process with speculation (the ranks of one run
+    warmed up, the one process did not)."""
     from glm5next import LLM
 
     want = _greedy(LLM(tp_dir, **ENGINE_ARGS), PROMPTS)

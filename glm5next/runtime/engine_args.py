@@ -59,6 +59,11 @@ class EngineArgs:
     async_scheduling: bool = field(default=True, metadata=_option(
         "schedule and launch each step while the one before runs (plain steps on one process; the default) "
         "instead of after its tokens came back", flag="--no-async-scheduling", action="store_false"))
+    warmup: bool | None = field(default=None, metadata=_option(
+        "run dummy requests through a full prefill step and a mixed step (a prompt beside decodes) at startup, "
+        "so their kernels compile before the first request instead of in its steps, as vLLM's profile run does; "
+        "the engine is left as built (default: on a GPU, where a shape's first run compiles Triton kernels; on "
+        "the CPU every step runs in PyTorch and nothing compiles)", action=argparse.BooleanOptionalAction))
     tensor_parallel_size: int = field(default=1, metadata=_option(
         "processes (one per GPU) the model is split over; outside torchrun, LLM and the command start the others",
         type=int, aliases=["-tp"]))

@@ -10,6 +10,9 @@ decoding): step n + 1 is planned and launched while step n runs, its rows' last 
 step n's samples, and step n's outputs follow once its tokens are on the host, so the GPU does not wait for the
 host between steps. A request that stopped at step n has run one token too many in step n + 1; it is dropped.
 
+At startup on a GPU (`EngineArgs.warmup`) dummy requests run a full prefill step and a mixed step through the
+step loop, so the kernels those steps compile are ready before the first request; the engine is then as built.
+
 With `tensor_parallel_size=N` (under `torchrun`, one process per device) every rank builds the
 engine over its shards; rank 0 schedules and drives the others' forwards (see `driver`), and the
 other ranks serve in `follow()`.
@@ -17,8 +20,10 @@ other ranks serve in `follow()`.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -30,7 +35,7 @@ from ..parallel.group import init_tensor_parallel, local_rank
 from ..specialized_decode import build_executor
 from ..tokenizer import Tokenizer
 from .batch_sampler import BatchSampler
-from .cache import allocate_cache
+from .cache import allocate_cache, zero_usable
 from .cache_plan import plan_cache
 from .detokenizer import IncrementalDetokenizer
 from .engine_args import EngineArgs
@@ -213,11 +218,69 @@ class LLMEngine:
         self.host_times = self.runner.host_times
         """Host time of plain steps by part (`HostTimes`): the runner's, which charges `inputs` (a tensor-parallel
         driver's broadcast included) and `launch`; the step loop the rest."""
+        if args.warmup or (args.warmup is None and self.device.type == "cuda"):
+            self._warm_up()
 
     @classmethod
     def from_model(cls, model: Glm5NextModel, tokenizer: Tokenizer | None = None, **kwargs) -> "LLMEngine":
         """An engine over an already built backbone (its dtype and device)."""
         return cls(model, tokenizer=tokenizer, **kwargs)
+
+    # ----------------------------------------------------------------- warm-up
+    def _warm_up(self) -> None:
+        """Step dummy requests through the engine's own step loop once, as vLLM's profile run does, so that the
+        kernels of a full prefill step, of the sampler and of a mixed step compile now instead of in the first
+        requests' steps (a fresh H100's first 4096-token step took 123.6 s compiling 92 Triton kernel variants,
+        `2026-12-07-h100-engine-steps-s43.json`). Graph captures cover pure-decode steps only; the cache plan's
+        profile run, one prefill chunk, runs only when the cache is sized from memory. Every rank of a
+        tensor-parallel group takes part: rank 0 drives the steps as it drives real ones.
+
+        Nothing is left behind. It runs before any request, so the usable cache is still the zeros
+        `allocate_cache` gave it (captures write only the scratch block and slot) and is zeroed again; the
+        allocator's free lists are a new manager's; counters are restored; request ids are the warm-up's own and
+        gone with its requests; the engine's seed stream is untouched (the requests bring their seeds)."""
+        start = time.perf_counter()
+        runner = getattr(self.runner, "runner", self.runner)  # the Runner inside rank 0's DrivenRunner
+        stats, replays = copy.deepcopy(self.stats), runner.num_replays
+        draft_replays = self.draft_graphs.num_replays if self.draft_graphs is not None else 0
+        if self.tp.is_driver:
+            steps = self._warm_up_steps()
+            self.release_followers()
+            self._ended = []  # the followers drop the warm-up's draft states themselves
+        else:
+            self.follow()
+            self._draft_states.clear()
+        zero_usable(self.cache)
+        self.scheduler.block_manager.reset()
+        self.stats, runner.num_replays = stats, replays
+        if self.draft_graphs is not None:
+            self.draft_graphs.num_replays = draft_replays
+        self.host_times.reset()
+        if self.tp.is_driver:
+            logger.info("warm-up (%s) took %.1f s", steps, time.perf_counter() - start)
+
+    def _warm_up_steps(self) -> str:
+        """Rank 0's part of `_warm_up`: a step of `rows` sampled prompts sharing `size` tokens (one slot is kept
+        free), then one more prompt, of the rest of them, beside their decodes; stepped until every request has
+        ended. `size` is the step budget, or `max_model_len` if smaller: the prefill chunk whose activation peak
+        the cache plan measured. Returns what it ran, in words."""
+        sched = self.scheduler
+        size, q, bm = min(self.max_num_batched_tokens, self.max_model_len), sched.verify_tokens, sched.block_manager
+        # The longest prompt that can still generate two tokens and whose cache (verify lookahead included) fits.
+        longest = max(1, min(self.max_model_len - 2, bm.num_blocks * bm.block_size - q - sched.lookahead))
+        rows = max(1, min(self.args.max_num_seqs - 1, size))
+        each = max(1, min(size // rows, longest))
+        later = max(1, min(size - rows * q, longest))
+        ids = torch.randint(self.config.vocab_size, (rows * each + later,),
+                            generator=torch.Generator().manual_seed(0)).tolist()
+        params = SamplingParams(temperature=1.0, seed=0, max_tokens=2, ignore_eos=True)
+        for i in range(rows):
+            self.add_request(f"warmup-{i}", ids[i * each : (i + 1) * each], params)
+        self.step()  # the prefill step; the next plans the prompt below beside their decodes
+        self.add_request(f"warmup-{rows}", ids[rows * each :], dataclasses.replace(params, max_tokens=1))
+        while self.has_unfinished_requests():
+            self.step()
+        return f"{rows} x {each} prompt tokens, then {rows} decodes beside a {later}-token prompt"
 
     # ------------------------------------------------------------------ inputs
     def validate(self, prompt, params: SamplingParams | None = None) -> list[int]:

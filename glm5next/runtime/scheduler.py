@@ -79,9 +79,13 @@ class BlockManager:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
         self.num_blocks, self.num_slots, self.block_size = num_blocks, num_slots, block_size
+        self.reset()
+
+    def reset(self) -> None:
+        """Every block and slot free, handed out in a new manager's order (no request may hold any)."""
         # Lowest ids are handed out first (pop from the end).
-        self._free_blocks = list(range(num_blocks - 1, -1, -1))
-        self._free_slots = list(range(num_slots - 1, -1, -1))
+        self._free_blocks = list(range(self.num_blocks - 1, -1, -1))
+        self._free_slots = list(range(self.num_slots - 1, -1, -1))
 
     @property
     def free_blocks(self) -> int:
