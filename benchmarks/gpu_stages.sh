@@ -13,6 +13,9 @@
 # with fla's split of long sequences over the SMs (FLA_INTRACARD_CP=1).
 # PART=7: the whole GPU suite (SUITE=1|2|3|4: a quarter of it). PART=8: the MoE plan's variants. PART=9:
 # issue 25's structure before/after. PART=10: the engine's steps of 64 requests and its prompts alone.
+# PART=11: the MoE launches as programmatic dependents (GPU tests, the stage with and without, the step
+# profile against the package of commit $BASE unpacked in benchmarks/.b/$BASE as PART=9 says), the KDA stage.
+# PART=12: the engine's startup warm-up (engine_steps.py: its time and kernel variants, then the requests' steps).
 # A fresh machine compiles every kernel first: the first part run there needs the longest limits. Logs
 # gather in $OUT/run.log (few files come back per call). fla travels as a wheel in .whl/ (see the device
 # tool's notes). Triton's compiled kernels travel too: a call unpacks .triton/cache.tar.gz (ignored; carry it)
@@ -26,7 +29,7 @@ mkdir -p "$TRITON_CACHE_DIR"
 pack_cache() {  # at most 16 MiB comes back per file: a larger cache stays behind
   tar -czf /tmp/triton-cache.tar.gz -C "$TRITON_CACHE_DIR" . && [ "$(stat -c %s /tmp/triton-cache.tar.gz)" -lt 16000000 ] \
     && cp /tmp/triton-cache.tar.gz "$OUT/" || echo "triton cache not packed: $(du -sh "$TRITON_CACHE_DIR")" >> "$OUT/run.log"; }
-trap pack_cache EXIT
+[ "${PACK:-1}" = 1 ] && trap pack_cache EXIT  # PACK=0: no cache comes back (packing a large one takes a while)
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv > /tmp/gpu.txt 2>&1
 cat /tmp/gpu.txt; cat /tmp/gpu.txt > "$OUT/run.log"
 run() { local name=$1 limit=$2 t0=$SECONDS; shift 2; timeout -s INT "$limit" "$@" > "/tmp/$name.log" 2>&1; local rc=$?
@@ -93,6 +96,17 @@ elif [ "${PART:-1}" = 10 ]; then
 run engine-steps 300 python benchmarks/engine_steps.py --concurrency 64 --out "$OUT/engine-steps.json"
 run e2e-prefill 240 python -m glm5next.bench.cli --mode specialized --tokens 1 --concurrency "" --skip-eager \
   --skip-graph --prefill-lens 8192,32768 --prefill-requests 1,8 --out "$OUT/e2e-prefill.json"
+elif [ "${PART:-1}" = 11 ]; then
+run moe-tests 200 python -m pytest -q -m gpu -rfE --tb=short tests/test_kernels_moe.py
+run moe-pdl 200 python benchmarks/moe_stage.py --no-peer --tokens 1,2,4,8,16,32,64 --variants --fields pdl \
+  --out "$OUT/moe-pdl.json"
+run profile 150 python benchmarks/profile_step.py --tokens 1,8,64 --out "$OUT/profile.json"
+(cd "benchmarks/.b/$BASE" && cp ../../profile_step.py . && PYTHONPATH=.:/tmp/site run "profile-$BASE" 150 python \
+  profile_step.py --tokens 1,8,64 --out "$OUT/profile-$BASE.json")
+run kda-stage 60 python benchmarks/kda_stage.py --tokens 1,8,64 --out "$OUT/kda-stage.json"
+elif [ "${PART:-1}" = 12 ]; then
+# The engine's startup warm-up: its time and kernel variants, then whether the requests' steps still load any.
+run engine-steps ${LIMIT:-200} python benchmarks/engine_steps.py --concurrency 16 --gen 4 --out "$OUT/engine-steps.json"
 elif [ "${PART:-1}" = 5 ]; then
 run e2e 540 python -m glm5next.bench.cli --mode specialized --tokens 1,4,16,64 --concurrency 1,4,16,64 \
   --skip-eager --skip-graph --mixed-budgets 512,2048,8192 --out "$OUT/e2e.json"

@@ -46,6 +46,7 @@ VARIANTS = {
     "num_warps": [2, 8],
     "half": [False],
     "topk_group": [True, False],
+    "pdl": [True, False],
 }
 """Single-field changes to the default plan that `--variants` times at every token count."""
 

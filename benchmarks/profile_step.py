@@ -28,7 +28,8 @@ from glm5next.runtime.runner import Runner
 from glm5next.specialized_decode import Policy, SpecializedDecode
 
 FAMILIES = [
-    ("moe (ours)", r"gate_up_kernel|gate_up_rows_kernel|down_kernel|down_rows_kernel|combine_kernel|topk_kernel|group_kernel|router_logits_kernel"),
+    ("moe (ours)", r"gate_up_kernel|gate_up_rows_kernel|down_kernel|down_rows_kernel|combine_kernel|topk_kernel|"
+                   r"group_kernel|router_logits_kernel|router_rows_kernel"),
     ("dsa (ours)", r"indexer_inputs_kernel|index_scores_kernel|select_pools_kernel|head_product_kernel|attend_kernel|merge_splits_kernel|write_cache_kernel"),
     ("boundary (ours)", r"boundary|sinkhorn|mhc_kernel"),
     ("projections (ours)", r"skinny|linear_kernel|gate_up_swiglu|_linear|rms_norm_pair|producer|norm_cast"),

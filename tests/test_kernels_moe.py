@@ -226,7 +226,8 @@ def test_stage_refuses_unshared_storage(tiny_fp32):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
-@pytest.mark.parametrize("tokens,overrides", [(1, {}), (2, {}), (7, {}), (64, {}), (7, {"topk_group": True})])
+@pytest.mark.parametrize("tokens,overrides", [(1, {}), (2, {}), (7, {}), (64, {}), (7, {"topk_group": True}),
+                                             (1, {"pdl": False}), (7, {"pdl": True}), (64, {"pdl": True})])
 def test_real_shapes_bf16_against_fp32_reference(tokens, overrides):
     w = random_weights(288, 4096, 2048, device="cuda", seed=tokens)
     x = torch.randn(tokens, 4096, device="cuda").to(torch.bfloat16)
@@ -290,3 +291,33 @@ def test_graph_replay_reroutes_new_inputs():
         graph.replay()
         eager = moe_forward(x, w, 8, 2.5, True, ROUTER_NORM_EPS, 10.0, plan, slots)
         assert torch.equal(out, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+@pytest.mark.parametrize("tokens", [1, 8, 33, 64])
+def test_programmatic_dependent_launches_change_no_bit(tokens):
+    """Captured behind the kernel that writes its input (so each launch's early start races the one before),
+    the layer with programmatic-dependent launches gives the plain launches' output bit for bit, replay after
+    replay on new inputs."""
+    w = random_weights(288, 4096, 2048, device="cuda", seed=tokens)
+    src = torch.randn(tokens, 4096, device="cuda").to(torch.bfloat16)
+    slots = torch.arange(tokens, device="cuda")
+    x = torch.empty_like(src)
+    outs = {}
+    graphs = {}
+    for pdl in (False, True):
+        plan = plan_moe(tokens, 4096, torch.device("cuda"), pdl=pdl)
+        outs[pdl] = torch.full((tokens, 4096), float("nan"), dtype=torch.bfloat16, device="cuda")
+        x.copy_(src)
+        moe_forward(x, w, 8, 2.5, True, ROUTER_NORM_EPS, 10.0, plan, slots, out=outs[pdl])  # compiles
+        graphs[pdl] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[pdl]):
+            torch.mul(src, 1.0, out=x)  # the producer of the layer's input, inside the graph
+            moe_forward(x, w, 8, 2.5, True, ROUTER_NORM_EPS, 10.0, plan, slots, out=outs[pdl])
+    for seed in range(3):
+        src.copy_(torch.randn(tokens, 4096, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)))
+        for pdl in (False, True):
+            outs[pdl].fill_(float("nan"))
+            graphs[pdl].replay()
+        assert torch.equal(outs[True], outs[False])

@@ -121,19 +121,20 @@ def stage_launches(w: dict, config: Glm5NextConfig, stage: str, choice: str, T: 
         p = plan_moe(T, config.hidden_size, torch.device("cuda"))
         e, inter, k = config.n_routed_experts, config.moe_intermediate_size, config.num_experts_per_tok
         slots = -(-T // p.block_m) + min(T * k, e)
-        return [dict(launch="router_rows" if p.router_rows else "router_logits",
-                     grid=(-(-e // p.router_block_e), p.router_split),
-                     block=(p.block_t, p.router_block_e, p.router_block_k), warps=p.router_warps),
-                *([dict(launch="topk+group", grid=(1,), block_t=p.block_t, block_m=p.block_m)] if p.topk_group
-                  else [dict(launch="topk", grid=(T,)),
-                        dict(launch="group", grid=(1,), block_t=p.block_t, block_m=p.block_m)]),
-                dict(launch="gate|up+swiglu", grid=(slots, -(-inter // p.gate_up_block_n)),
-                     block=(p.block_m, p.gate_up_block_n, p.block_k), stages=p.num_stages, warps=p.num_warps,
-                     products="fp16" if p.half else "bf16"),
-                dict(launch="down", grid=(slots, -(-config.hidden_size // p.down_block_n)),
-                     block=(p.block_m, p.down_block_n, p.block_k), stages=p.down_stages or p.num_stages,
-                     warps=p.num_warps),
-                dict(launch="combine", grid=(T, -(-config.hidden_size // p.combine_block_n)))]
+        launches = [dict(launch="router_rows" if p.router_rows else "router_logits",
+                         grid=(-(-e // p.router_block_e), p.router_split),
+                         block=(p.block_t, p.router_block_e, p.router_block_k), warps=p.router_warps),
+                    *([dict(launch="topk+group", grid=(1,), block_t=p.block_t, block_m=p.block_m)] if p.topk_group
+                      else [dict(launch="topk", grid=(T,)),
+                            dict(launch="group", grid=(1,), block_t=p.block_t, block_m=p.block_m)]),
+                    dict(launch="gate|up+swiglu", grid=(slots, -(-inter // p.gate_up_block_n)),
+                         block=(p.block_m, p.gate_up_block_n, p.block_k), stages=p.num_stages, warps=p.num_warps,
+                         products="fp16" if p.half else "bf16"),
+                    dict(launch="down", grid=(slots, -(-config.hidden_size // p.down_block_n)),
+                         block=(p.block_m, p.down_block_n, p.block_k), stages=p.down_stages or p.num_stages,
+                         warps=p.num_warps),
+                    dict(launch="combine", grid=(T, -(-config.hidden_size // p.combine_block_n)))]
+        return [{**launch, "pdl": True} for launch in launches] if p.pdl else launches
     if stage == "logits_head":
         shape, b = w["lm_head.weight"]
         return [_linear("lm_head", T, [("lm_head", shape, b)], sms, **LOGITS_CHOICES[choice])]

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from .. import pdl as _pdl
 from .experts import combine_kernel, down_kernel, gate_up_kernel
 from .prefill import down_rows_kernel, gate_up_rows_kernel
 from .reference import moe_reference, route_reference
@@ -132,6 +133,9 @@ class MoePlan:
     topk_group: bool = False
     """Top-k and grouping in one program (`topk_group_kernel`: one launch less, the tokens one after another)
     instead of a top-k program per token and then the grouping's."""
+    pdl: bool = False
+    """Every launch a programmatic dependent of the one before (`kernels/pdl.py`; CUDA on SM90+ only): the
+    router's weights and the shared expert's fetched into L2 while the kernels before still run."""
 
     def describe(self) -> str:
         router = "row form" if self.router_rows else "split-K products"
@@ -139,7 +143,8 @@ class MoePlan:
                 f"gate|up BLOCK_N {self.gate_up_block_n}, down BLOCK_N {self.down_block_n}, BLOCK_K {self.block_k}, "
                 f"{self.num_warps} warps, {self.num_stages} stages (down {self.down_stages or self.num_stages})"
                 + (", fp16 products" if self.half else "")
-                + (", top-k and grouping in one program" if self.topk_group else ""))
+                + (", top-k and grouping in one program" if self.topk_group else "")
+                + (", programmatic-dependent launches" if self.pdl else ""))
 
 
 def plan_moe(tokens: int, hidden: int, device: torch.device, **overrides) -> MoePlan:
@@ -159,10 +164,15 @@ def plan_moe(tokens: int, hidden: int, device: torch.device, **overrides) -> Moe
         # against 288 in 1.09 of the H100's), 32 at two (169.0 against 181.0), 64 above (4 and 8 tokens: 32 and
         # 128 lost); top-k with the grouping in one program at one token (1.5-1.9 us faster in three draws, a
         # launch less; 22 us slower at 8 tokens). H100, 2026-12-07,
-        # bench/results/2026-12-07-h100-moe-plans-s41-*.json.
+        # bench/results/2026-12-07-h100-moe-plans-s41-*.json. Programmatic-dependent launches at one token only
+        # (the router's and the shared expert's weights fetched into L2 while the kernels before run): the stage
+        # 102.8 against 104.9 us, the step 2.188 against 2.205 ms; from 4 tokens on they lose (the stage +5 us
+        # at 4 and 8, +34 at 32; the step +35 / +209 us at 8 / 64: the early programs hold SM slots). H100,
+        # 2026-12-07, bench/results/2026-12-07-h100-moe-pdl-s43.json, -profile-s43.json, -profile-2077be2-s43.json.
         gate_up_n = {1: 128, 2: 32}.get(tokens, 64)
         plan = MoePlan(block_t, 16, -(-hidden // 128), 128, 16, gate_up_n, 64, 128, 4, 3 if tokens == 1 else 4, 1024,
-                       half=True, router_rows=True, router_warps=8, down_stages=4, topk_group=tokens == 1)
+                       half=True, router_rows=True, router_warps=8, down_stages=4, topk_group=tokens == 1,
+                       pdl=tokens == 1)
     else:  # fp16 products: 5-10 % faster than bf16 at 1-64 tokens on the H100 (e4m3 widens to fp16 natively);
         # 64 experts a router program: 9 us a layer faster than 32 at 1 and 8 tokens (H100, 2026-12-06)
         k_split = max(64, hidden // 16)
@@ -192,6 +202,11 @@ class Routing:
         return self.slot_expert.shape[0]
 
 
+def _pdl_args(plan: MoePlan, device: torch.device) -> dict:
+    """The PDL constant and launch attribute of the plan's launches on `device` (none where it has no PDL)."""
+    return {"PDL": True, "launch_pdl": True} if plan.pdl and _pdl.enabled(device) else {}
+
+
 def route(x: torch.Tensor, w: ExpertWeights, top_k: int, scale: float, norm: bool, eps: float, plan: MoePlan,
           slots: torch.Tensor | None = None) -> Routing:
     """Router logits and routing of `x` [T, D], T <= 64, in three launches (two with `plan.topk_group`; rows
@@ -204,15 +219,16 @@ def route(x: torch.Tensor, w: ExpertWeights, top_k: int, scale: float, norm: boo
     k_split = triton.cdiv(triton.cdiv(d, plan.router_split), plan.router_block_k) * plan.router_block_k
     split = triton.cdiv(d, k_split)
     part = torch.empty(split, t, e, dtype=torch.float32, device=dev)
+    pdl = _pdl_args(plan, dev)
     if plan.router_rows:
         router_rows_kernel[(triton.cdiv(e, plan.router_block_e), split)](
             x, w.router, part, t, e, d, x.stride(0), k_split, BLOCK_E=plan.router_block_e,
-            BLOCK_K=triton.next_power_of_2(k_split), num_warps=plan.router_warps)
+            BLOCK_K=triton.next_power_of_2(k_split), num_warps=plan.router_warps, **pdl)
     else:
         router_logits_kernel[(triton.cdiv(e, plan.router_block_e), split)](
             x, w.router, part, t, e, d, x.stride(0), k_split,
             BLOCK_T=plan.block_t, BLOCK_E=plan.router_block_e, BLOCK_K=plan.router_block_k,
-            num_warps=plan.router_warps)
+            num_warps=plan.router_warps, **pdl)
     i32 = dict(dtype=torch.int32, device=dev)
     max_slots = triton.cdiv(t, plan.block_m) + min(t * top_k, e)
     r = Routing(torch.empty(t, top_k, **i32), torch.empty(t, top_k, dtype=torch.float32, device=dev),
@@ -225,11 +241,11 @@ def route(x: torch.Tensor, w: ExpertWeights, top_k: int, scale: float, norm: boo
     if plan.topk_group:
         topk_group_kernel[(1,)](
             part, w.bias, slots_arg, r.ids, r.weights, r.slot_expert, r.slot_start, r.slot_count, r.rows, r.n_slots,
-            t, e, float(scale), float(eps), **topk, **group)
+            t, e, float(scale), float(eps), **topk, **group, **pdl)
         return r
-    topk_kernel[(t,)](part, w.bias, slots_arg, r.ids, r.weights, t, e, float(scale), float(eps), **topk)
+    topk_kernel[(t,)](part, w.bias, slots_arg, r.ids, r.weights, t, e, float(scale), float(eps), **topk, **pdl)
     group_kernel[(1,)](r.ids, slots_arg, r.slot_expert, r.slot_start, r.slot_count, r.rows, r.n_slots, t,
-                       TOP_K=top_k, HAS_SLOTS=slots is not None, **group)
+                       TOP_K=top_k, HAS_SLOTS=slots is not None, **group, **pdl)
     return r
 
 
@@ -272,23 +288,24 @@ def experts_forward(x: torch.Tensor, w: ExpertWeights, r: Routing, limit: float,
     offs = w.shared_offsets()
     pairs = t * top_k + t
     half = plan.half and w.scaled and not f32
+    pdl = _pdl_args(plan, dev)
     h = torch.empty(pairs, n_inter, dtype=torch.float16 if half else x.dtype, device=dev)
     gate_up_kernel[(r.max_slots, triton.cdiv(n_inter, plan.gate_up_block_n))](
         x, w.gate, w.up, w.gate_scale, w.up_scale, h, r.slot_expert, r.slot_start, r.slot_count, r.rows,
         r.n_slots, offs[0], offs[1], offs[3], offs[4], t, n_inter, d, x.stride(0), float(limit),
         TOP_K=top_k, HAS_SCALE=w.scaled, F32=f32, HALF=half, BLOCK_M=plan.block_m, BLOCK_N=plan.gate_up_block_n,
-        BLOCK_K=plan.block_k, num_warps=plan.num_warps, num_stages=plan.num_stages)
+        BLOCK_K=plan.block_k, num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl)
     y = torch.empty(pairs, d, dtype=torch.float32, device=dev)
     down_kernel[(r.max_slots, triton.cdiv(d, plan.down_block_n))](
         h, w.down, w.down_scale, r.weights, y, r.slot_expert, r.slot_start, r.slot_count, r.rows, r.n_slots,
         offs[2], offs[5], t, d, n_inter,
         TOP_K=top_k, HAS_SCALE=w.scaled, F32=f32, HALF=half, BLOCK_M=plan.block_m, BLOCK_N=plan.down_block_n,
-        BLOCK_K=plan.block_k, num_warps=plan.num_warps, num_stages=plan.down_stages or plan.num_stages)
+        BLOCK_K=plan.block_k, num_warps=plan.num_warps, num_stages=plan.down_stages or plan.num_stages, **pdl)
     if out is None:
         out = torch.empty(t, d, dtype=x.dtype, device=dev)
     combine_kernel[(t, triton.cdiv(d, plan.combine_block_n))](
         y, slots if slots is not None else y, out, t, d, out.stride(0),
-        TOP_K=top_k, HAS_SLOTS=slots is not None, BLOCK_N=plan.combine_block_n)
+        TOP_K=top_k, HAS_SLOTS=slots is not None, BLOCK_N=plan.combine_block_n, **pdl)
     return out
 
 

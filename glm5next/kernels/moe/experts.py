@@ -16,12 +16,19 @@ chunk's product is scaled by its one block scale (BLOCK_N divides 128 and BLOCK_
 tiles start on multiples of themselves, so a chunk never straddles two scale blocks). 16-bit
 activations meet 16-bit widened weights on the tensor cores with fp32 accumulation; fp32 activations
 (and the interpreter, whose bf16 products are wrong) multiply in fp32 ("ieee").
+
+With PDL (a programmatic-dependent launch, `kernels/pdl.py`) every kernel lets the next one start as it
+begins and reads the step's data (slots, rows, activations) only after `wait_previous`. Before it, the
+programs of slot 0 (the shared expert, which needs no routing) fetch their weight tile into L2: the shared
+expert's bytes stream while the routing of the kernels before still runs.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from ..pdl import launch_dependents, prefetch_l2, wait_previous
 
 
 @triton.jit
@@ -52,19 +59,33 @@ def _swiglu(acc_g, acc_u, limit):
 
 
 @triton.jit
+def _prefetch_shared(w_ptr, shared_off, n, N, K):
+    """L2 prefetch of the shared expert's weight rows `n` (all K columns, one byte each: FP8)."""
+    prefetch_l2(w_ptr + shared_off + n.to(tl.int64) * K, K, (n < N) & (K % 16 == 0))
+
+
+@triton.jit
 def gate_up_kernel(x_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr,
                    slot_expert_ptr, slot_start_ptr, slot_count_ptr, rows_ptr, n_slots_ptr,
                    shared_wg, shared_wu, shared_sg, shared_su,
                    T, N, K, stride_x, limit,
                    TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, F32: tl.constexpr, HALF: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """h[p, n] = silu(min(g, limit)) * clamp(u, -limit, limit) for the slot's rows p, where
     g = x[token(p)] @ Wg[e].T and u likewise; the token of row p is p // TOP_K for routed pairs and
     p - T * TOP_K for the shared expert's rows."""
     slot = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if PDL:
+        launch_dependents()
+        if HAS_SCALE:
+            if slot == 0:
+                n_pf = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+                _prefetch_shared(wg_ptr, shared_wg, n_pf, N, K)
+                _prefetch_shared(wu_ptr, shared_wu, n_pf, N, K)
+        wait_previous()
     if slot >= tl.load(n_slots_ptr):
         return
-    pid_n = tl.program_id(1)
     ks = tl.cdiv(K, 128)
     e = tl.load(slot_expert_ptr + slot)
     start = tl.load(slot_start_ptr + slot)
@@ -108,13 +129,19 @@ def down_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, y_ptr,
                 slot_expert_ptr, slot_start_ptr, slot_count_ptr, rows_ptr, n_slots_ptr,
                 shared_w, shared_s, T, N, K,
                 TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, F32: tl.constexpr, HALF: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """y[p, n] = weight(p) * (h[p] @ Wd[e].T)[n] in fp32 for the slot's rows p (weight 1 for the
     shared expert's rows, the routing weight of pair p otherwise)."""
     slot = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if PDL:
+        launch_dependents()
+        if HAS_SCALE:
+            if slot == 0:
+                _prefetch_shared(w_ptr, shared_w, pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N, K)
+        wait_previous()
     if slot >= tl.load(n_slots_ptr):
         return
-    pid_n = tl.program_id(1)
     ks = tl.cdiv(K, 128)
     e = tl.load(slot_expert_ptr + slot)
     start = tl.load(slot_start_ptr + slot)
@@ -146,8 +173,11 @@ def down_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, y_ptr,
 
 @triton.jit
 def combine_kernel(y_ptr, slots_ptr, out_ptr, T, N, stride_out,
-                   TOP_K: tl.constexpr, HAS_SLOTS: tl.constexpr, BLOCK_N: tl.constexpr):
+                   TOP_K: tl.constexpr, HAS_SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
     """out[t] = sum_k y[t * TOP_K + k] (k ascending) + y[T * TOP_K + t], or 0 for a padded token."""
+    if PDL:
+        launch_dependents()
+        wait_previous()
     t = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N

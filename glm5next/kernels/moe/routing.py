@@ -15,6 +15,10 @@ this step touches, one slot each, in ascending expert order. A slot is (expert, 
 the shared expert's expert -1; its rows are pair indices `p = t * top_k + k` for routed pairs
 (ascending t within an expert) and `T * top_k + t` for the shared expert's. Padded tokens (a negative
 slot mapping) choose no expert and own no row.
+
+With PDL (a programmatic-dependent launch, `kernels/pdl.py`) each kernel lets the next one start as it
+begins; the router's programs first fetch their weight tile into L2 (a constant), so its read overlaps the
+kernel before; every read of the step's data comes after `wait_previous`.
 """
 
 from __future__ import annotations
@@ -22,15 +26,32 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..pdl import launch_dependents, prefetch_l2, wait_previous
+
+
+@triton.jit
+def _prefetch_rows(w_ptr, e, E, K, k0, K_PER_SPLIT):
+    """With PDL: the next kernel may start; this program's router rows `e`, columns k0 .. k0 + K_PER_SPLIT,
+    fetched into L2 (one bulk prefetch a row where its bytes are 16-byte aligned, else none); then the
+    wait for the kernel before."""
+    launch_dependents()
+    nbytes = tl.minimum(K_PER_SPLIT, K - k0) * 4
+    aligned = ((K * 4) % 16 == 0) & ((k0 * 4) % 16 == 0) & (nbytes % 16 == 0)
+    prefetch_l2(w_ptr + e.to(tl.int64) * K + k0, nbytes, (e < E) & aligned)
+    wait_previous()
+
 
 @triton.jit
 def router_logits_kernel(x_ptr, w_ptr, part_ptr, T, E, K, stride_x, K_PER_SPLIT,
-                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                         PDL: tl.constexpr = False):
     """part[s, t, e] = sum over split s's K range of x[t, k] * w[e, k], in fp32."""
     pid_e = tl.program_id(0)
     pid_s = tl.program_id(1)
     t = tl.arange(0, BLOCK_T)
     e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    if PDL:
+        _prefetch_rows(w_ptr, e, E, K, pid_s * K_PER_SPLIT, K_PER_SPLIT)
     acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
     k_lo = pid_s * K_PER_SPLIT
     for k0 in range(k_lo, k_lo + K_PER_SPLIT, BLOCK_K):
@@ -45,7 +66,7 @@ def router_logits_kernel(x_ptr, w_ptr, part_ptr, T, E, K, stride_x, K_PER_SPLIT,
 
 @triton.jit
 def router_rows_kernel(x_ptr, w_ptr, part_ptr, T, E, K, stride_x, K_PER_SPLIT,
-                       BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """part[s, t, e] as `router_logits_kernel` makes it, for few tokens: the split's whole [BLOCK_E,
     K_PER_SPLIT] tile of the router loaded at once (K_PER_SPLIT <= BLOCK_K), then reduced against one
     token's row at a time in fp32 (no shared-memory round trip of a product)."""
@@ -54,6 +75,8 @@ def router_rows_kernel(x_ptr, w_ptr, part_ptr, T, E, K, stride_x, K_PER_SPLIT,
     e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
     k = pid_s * K_PER_SPLIT + tl.arange(0, BLOCK_K)
     kmask = (k < K) & (tl.arange(0, BLOCK_K) < K_PER_SPLIT)
+    if PDL:
+        _prefetch_rows(w_ptr, e, E, K, pid_s * K_PER_SPLIT, K_PER_SPLIT)
     w = tl.load(w_ptr + e[:, None] * K + k[None, :], mask=(e[:, None] < E) & kmask[None, :], other=0.0)
     for t in range(T):
         x = tl.load(x_ptr + t * stride_x + k, mask=kmask, other=0.0).to(tl.float32)
@@ -97,11 +120,14 @@ def _topk_token(part_ptr, bias_ptr, slots_ptr, ids_ptr, weights_ptr, t, T, E, sc
 @triton.jit
 def topk_kernel(part_ptr, bias_ptr, slots_ptr, ids_ptr, weights_ptr, T, E, scale, eps,
                 S: tl.constexpr, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, NORM: tl.constexpr,
-                HAS_SLOTS: tl.constexpr, BLOCK_E: tl.constexpr):
+                HAS_SLOTS: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr = False):
     """One token per program: its logits summed over the S splits in order, sigmoid scores, top-k of
     scores + bias with the lower expert index first among equal values, the chosen scores renormalised
     and scaled. Writes ids / weights `[T, TOP_K]` (a padded token: -1 / 0). Each pick is one reduction of
     an int64 key: the order-preserving bits of score + bias above the reversed expert index."""
+    if PDL:
+        launch_dependents()
+        wait_previous()
     _topk_token(part_ptr, bias_ptr, slots_ptr, ids_ptr, weights_ptr, tl.program_id(0), T, E, scale, eps,
                 S, TOP_K, TOP_K_PAD, NORM, HAS_SLOTS, BLOCK_E)
 
@@ -154,9 +180,12 @@ def _group(ids_ptr, slots_ptr, slot_expert_ptr, slot_start_ptr, slot_count_ptr, 
 @triton.jit
 def group_kernel(ids_ptr, slots_ptr, slot_expert_ptr, slot_start_ptr, slot_count_ptr, rows_ptr, n_slots_ptr, T,
                  TOP_K: tl.constexpr, HAS_SLOTS: tl.constexpr, BLOCK_T: tl.constexpr, SPAN: tl.constexpr,
-                 BLOCK_M: tl.constexpr):
+                 BLOCK_M: tl.constexpr, PDL: tl.constexpr = False):
     """One program: the step's slots and rows (see the module docstring) from ids `[T, TOP_K]` (-1 for a
     padded token). SPAN: a power of two of at least T * TOP_K."""
+    if PDL:
+        launch_dependents()
+        wait_previous()
     _group(ids_ptr, slots_ptr, slot_expert_ptr, slot_start_ptr, slot_count_ptr, rows_ptr, n_slots_ptr, T,
            TOP_K, HAS_SLOTS, BLOCK_T, SPAN, BLOCK_M)
 
@@ -166,9 +195,12 @@ def topk_group_kernel(part_ptr, bias_ptr, slots_ptr, ids_ptr, weights_ptr, slot_
                       slot_count_ptr, rows_ptr, n_slots_ptr, T, E, scale, eps,
                       S: tl.constexpr, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, NORM: tl.constexpr,
                       HAS_SLOTS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, SPAN: tl.constexpr,
-                      BLOCK_M: tl.constexpr):
+                      BLOCK_M: tl.constexpr, PDL: tl.constexpr = False):
     """`topk_kernel` and `group_kernel` in one program for few tokens (one launch less; the tokens' top-k
     run one after another): the same ids, weights and grouping."""
+    if PDL:
+        launch_dependents()
+        wait_previous()
     for t in range(T):
         _topk_token(part_ptr, bias_ptr, slots_ptr, ids_ptr, weights_ptr, t, T, E, scale, eps,
                     S, TOP_K, TOP_K_PAD, NORM, HAS_SLOTS, BLOCK_E)
