@@ -66,12 +66,8 @@ def allocate_cache(
 def zero_usable(cache: ModelCache) -> None:
     """Every usable block and slot of `cache` (MTP layer and verify scratch included) back to the zeros
     `allocate_cache` gave them; the scratch block and slot, which only padding rows write, are left alone."""
-    for c in cache.dsa.values():
-        for t in (c.latent, c.index_key, c.index_gate, c.pooled_key):
-            t[:-1].zero_()
-    for s in cache.kda.values():
-        for t in (s.conv, s.recurrent, *(s.verify or {}).values()):
-            t[:-1].zero_()
+    for t in cache.tensors() + [t for s in cache.kda.values() for t in (s.verify or {}).values()]:
+        t[:-1].zero_()
 
 
 def bytes_per_block(config: Glm5NextConfig, block_size: int, dtype: torch.dtype, include_mtp: bool = True) -> int:
