@@ -16,6 +16,8 @@
 # PART=11: the MoE launches as programmatic dependents (GPU tests, the stage with and without, the step
 # profile against the package of commit $BASE unpacked in benchmarks/.b/$BASE as PART=9 says), the KDA stage.
 # PART=12: the engine's startup warm-up (engine_steps.py: its time and kernel variants, then the requests' steps).
+# PART=15: the DSA selection alone (dsa_select.py) and the DSA stage, here and on the package of commit $BASE
+# unpacked in benchmarks/.b/$BASE (as PART=9 says), with the selection's GPU tests.
 # A fresh machine compiles every kernel first: the first part run there needs the longest limits. Logs
 # gather in $OUT/run.log (few files come back per call). fla travels as a wheel in .whl/ (see the device
 # tool's notes). Triton's compiled kernels travel too: a call unpacks .triton/cache.tar.gz (ignored; carry it)
@@ -107,6 +109,15 @@ run kda-stage 60 python benchmarks/kda_stage.py --tokens 1,8,64 --out "$OUT/kda-
 elif [ "${PART:-1}" = 12 ]; then
 # The engine's startup warm-up: its time and kernel variants, then whether the requests' steps still load any.
 run engine-steps ${LIMIT:-200} python benchmarks/engine_steps.py --concurrency 16 --gen 4 --out "$OUT/engine-steps.json"
+elif [ "${PART:-1}" = 15 ]; then
+run dsa-tests 150 python -m pytest -q -m gpu -rfE --tb=short tests/test_kernels_dsa.py
+run dsa-select 120 python benchmarks/dsa_select.py ${DSA_SELECT_ARGS:-} --out "$OUT/dsa-select.json"
+PYTHONPATH=benchmarks/.b/$BASE:${PYTHONPATH#.:} run "dsa-select-$BASE" 120 python benchmarks/dsa_select.py ${DSA_SELECT_ARGS:-} \
+  --out "$OUT/dsa-select-$BASE.json"
+run dsa-stage 100 python benchmarks/dsa_stage.py --contexts 8192,131072 --tokens 1,2,8,16,64 --verify "" --no-stock \
+  --out "$OUT/dsa-stage.json"
+PYTHONPATH=benchmarks/.b/$BASE:${PYTHONPATH#.:} run "dsa-stage-$BASE" 100 python benchmarks/dsa_stage.py \
+  --contexts 8192,131072 --tokens 1,2,8,16,64 --verify "" --no-stock --out "$OUT/dsa-stage-$BASE.json"
 elif [ "${PART:-1}" = 5 ]; then
 run e2e 540 python -m glm5next.bench.cli --mode specialized --tokens 1,4,16,64 --concurrency 1,4,16,64 \
   --skip-eager --skip-graph --mixed-budgets 512,2048,8192 --out "$OUT/e2e.json"

@@ -153,8 +153,8 @@ def test_forced_ties_go_to_the_lower_pool():
 
 def test_select_levels():
     """The launches of the selection: chunks of the table, then of the candidates, until one program per
-    token; one launch when the table fits a chunk; the real model's (K 512, chunks of 4096) at 8K, 128K
-    and 1M tokens of context."""
+    token; one launch when the table fits a chunk; the real model's (K 512, chunks of 4096 or 2048) at 8K,
+    128K and 1M tokens of context."""
     assert select_levels(32, 8, 16) == [(32, 2, 16), (16, 1, 16)]
     assert select_levels(64, 8, 16) == [(64, 4, 16), (32, 2, 16), (16, 1, 16)]
     assert select_levels(48, 8, 16) == [(48, 3, 16), (24, 2, 16), (16, 1, 16)]
@@ -164,7 +164,10 @@ def test_select_levels():
     assert select_levels(2048, 512, 4096) == [(2048, 1, 2048)]
     assert select_levels(32768, 512, 4096) == [(32768, 8, 4096), (4096, 1, 4096)]
     assert select_levels(262144, 512, 4096) == [(262144, 64, 4096), (32768, 8, 4096), (4096, 1, 4096)]
-    assert plan_dsa(1, 64, 32768, 512, 4, 132).select_chunk == 4096
+    assert select_levels(32768, 512, 2048) == [(32768, 16, 2048), (8192, 4, 2048), (2048, 1, 2048)]
+    assert plan_dsa(64, 64, 32768, 512, 4, 132).select_chunk == 4096
+    assert plan_dsa(8, 64, 32768, 512, 4, 132).select_chunk == 2048  # wide tables at up to 8 tokens
+    assert plan_dsa(1, 64, 4096, 512, 4, 132).select_chunk == 4096
     assert plan_dsa(1, 64, 2048, 512, 4, 132).select_chunk == 2048
 
 

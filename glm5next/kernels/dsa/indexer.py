@@ -11,7 +11,7 @@ stock formula with the same rounding points. Scores of invisible pools are not w
 `select_pools_kernel` — the top min(K, visible) pools of a token's scores, without a sort, in one to a
 few launches whose count the host fixes from the block table's width (`select_levels`), so a captured
 graph replays them all. Each program loads its entries once into registers, turns the scores into
-order-preserving 32-bit keys (as the stock `top_pools` makes them, -0.0 read as +0.0), finds the K-th
+order-preserving unsigned 32-bit keys (as the stock `top_pools` orders them, -0.0 read as +0.0), finds the K-th
 largest key with four 8-bit radix passes over the register block (a histogram per pass of the keys that
 share the digits found so far), then keeps every key above it and, of the keys equal to it, the lowest
 positions first (`_top`, shared by every level).
@@ -89,33 +89,34 @@ def index_scores_kernel(
 
 @triton.jit
 def _top(key, ok, K: tl.constexpr):
-    """Of the keys under `ok` (int64 in [0, 2^32), a register block in ascending pool order), the top
-    min(K, count) with the lower position first among equal keys: the mask of the kept lanes, each kept
-    lane's rank among them (its slot in the ascending output) and how many are kept.
+    """Of the keys under `ok` (uint32, a register block in ascending pool order), the top min(K, count)
+    with the lower position first among equal keys: the mask of the kept lanes, each kept lane's rank
+    among them (its slot in the ascending output) and how many are kept.
 
     The K-th largest key `tau` is narrowed from its top byte by four 8-bit radix passes (a histogram per
     pass of the keys sharing the digits found so far); `need` is how many keys equal to it are kept. With
-    at most K keys every key is kept: tau below every key."""
+    at most K keys every key is kept."""
     n = tl.sum(ok.to(tl.int32), 0)
     k = tl.minimum(n, K)
-    tau = tl.full([], -1, tl.int64)
-    need = tl.full([], 0, tl.int32)
+    take = ok
     if n > K:
         digits = tl.arange(0, 256)
-        prefix = tl.full([], 0, tl.int64)
+        prefix = tl.full([], 0, tl.uint32)
         need = k
         for rnd in tl.static_range(4):
             shift = 24 - 8 * rnd
-            same = ok & ((key >> (shift + 8)) == prefix)
+            if rnd == 0:
+                same = ok
+            else:
+                same = ok & ((key >> (shift + 8)) == prefix)
             hist = tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=same)
             at_least = tl.sum(hist, 0) - (tl.cumsum(hist, 0) - hist)  # keys with digit >= d
             pick = tl.max(tl.where(at_least >= need, digits, -1), 0)
             need = need - tl.sum(tl.where(digits > pick, hist, 0), 0)
-            prefix = prefix * 256 + pick
-        tau = prefix
-    eq = (ok & (key == tau)).to(tl.int32)
-    rank = tl.cumsum(eq, 0) - eq  # lower positions first among equal keys
-    take = (ok & (key > tau)) | ((eq != 0) & (rank < need))
+            prefix = (prefix << 8) | pick.to(tl.uint32)
+        eq = (ok & (key == prefix)).to(tl.int32)
+        rank = tl.cumsum(eq, 0) - eq  # lower positions first among equal keys
+        take = (ok & (key > prefix)) | ((eq != 0) & (rank < need))
     at = tl.cumsum(take.to(tl.int32), 0) - 1
     return take, at, k
 
@@ -148,7 +149,7 @@ def select_pools_kernel(
         pool = tl.load(src_ptr + t * s_src + i, mask=i < n_src, other=-1)
         ok = pool >= 0
         ordered = tl.load(src_key_ptr + t * s_src + i, mask=ok, other=0)
-    key = ordered.to(tl.int64) + 2147483648  # larger score, larger key, in [0, 2^32)
+    key = (ordered ^ -2147483648).to(tl.uint32, bitcast=True)  # larger score, larger key (unsigned)
     take, at, kept = _top(key, ok, K)
     if FINAL:
         row = dst_ptr + t * s_dst
