@@ -166,7 +166,8 @@ def test_select_levels():
     assert select_levels(262144, 512, 4096) == [(262144, 64, 4096), (32768, 8, 4096), (4096, 1, 4096)]
     assert select_levels(32768, 512, 2048) == [(32768, 16, 2048), (8192, 4, 2048), (2048, 1, 2048)]
     assert plan_dsa(64, 64, 32768, 512, 4, 132).select_chunk == 4096
-    assert plan_dsa(8, 64, 32768, 512, 4, 132).select_chunk == 2048  # wide tables at up to 8 tokens
+    assert plan_dsa(8, 64, 32768, 512, 4, 132).select_chunk == 2048  # 128K tables at up to 8 tokens
+    assert plan_dsa(1, 64, 262144, 512, 4, 132).select_chunk == 4096
     assert plan_dsa(1, 64, 4096, 512, 4, 132).select_chunk == 4096
     assert plan_dsa(1, 64, 2048, 512, 4, 132).select_chunk == 2048
 

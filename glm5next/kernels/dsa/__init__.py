@@ -149,11 +149,12 @@ def plan_dsa(tokens: int, heads: int, n_pools: int, topk_pools: int, kpool: int,
     most = max(1, -(-(topk_pools * kpool + kpool - 1) // 64))
     kv_splits = max(1, min(most, round(per_sm * sms / (tokens * groups))))
     # The selection's chunk: 4096 pools on a GPU (128K tokens of context: 8 chunks, then one program per
-    # token over their 8 x K candidates), 2048 for tables wider than 4096 pools at up to 8 tokens (H100,
+    # token over their 8 x K candidates), 2048 for tables of 4097-65536 pools at up to 8 tokens (H100,
     # 2026-12-07, bench/results/2026-12-07-h100-dsa-select-s44-1.json: 36.9 / 37.8 against 42.4 / 42.1 us at
-    # 1 / 8 tokens over 32772 pools, 88.9 against 78.4 at 64), no wider than the table; 16 in the
-    # interpreter, so the small test tables take several chunks and levels.
-    select_chunk = min((2048 if n_pools > 4096 and tokens <= 8 else 4096) if on_gpu else 16, _pow2(n_pools))
+    # 1 / 8 tokens over 32772 pools, 88.9 against 78.4 at 64; wider tables, two more levels, unmeasured), no
+    # wider than the table; 16 in the interpreter, so the small test tables take several chunks and levels.
+    narrow = 4096 < n_pools <= 65536 and tokens <= 8
+    select_chunk = min((2048 if narrow else 4096) if on_gpu else 16, _pow2(n_pools))
     p = dict(score_splits=score_splits, block_p=block_p, select_chunk=select_chunk,
              select_warps=8 if on_gpu and select_chunk >= 2048 else 4,
              heads_per_program=heads_per_program, kv_splits=kv_splits, block_n=32 if on_gpu else 64,
