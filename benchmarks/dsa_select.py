@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -37,7 +38,8 @@ def main() -> None:
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     gen = torch.Generator(device=dev).manual_seed(0)
-    result = {"gpu": torch.cuda.get_device_name(dev), "package": glm5next.__file__, "date": time.strftime("%Y-%m-%d"),
+    package = os.path.relpath(os.path.dirname(glm5next.__file__))  # which package ran: the checkout's or a base
+    result = {"gpu": torch.cuda.get_device_name(dev), "package": package, "date": time.strftime("%Y-%m-%d"),
               "rows": []}
     for n_pools in (int(x) for x in args.pools.split(",")):
         for t in (int(x) for x in args.tokens.split(",")):
