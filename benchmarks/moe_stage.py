@@ -47,6 +47,7 @@ VARIANTS = {
     "half": [False],
     "topk_group": [True, False],
     "pdl": [True, False],
+    "shared_side": [True],
 }
 """Single-field changes to the default plan that `--variants` times at every token count."""
 
@@ -159,9 +160,11 @@ def main() -> None:
         floor_us = nbytes / bw * 1e6
         outs = [torch.empty_like(x) for x in xs]
 
+        side = torch.cuda.Stream(dev) if dev.type == "cuda" else None  # plans with the shared expert beside
+
         def stage(plan=plan):
             for x, o in zip(xs, outs):
-                moe_forward(x, w, top_k, scale, True, ROUTER_NORM_EPS, limit, plan, slots, out=o)
+                moe_forward(x, w, top_k, scale, True, ROUTER_NORM_EPS, limit, plan, slots, out=o, side=side)
 
         row = {"tokens": m, "experts_touched": statistics.mean(touched), "bytes": nbytes, "floor_us": floor_us,
                "plan": plan.describe()}

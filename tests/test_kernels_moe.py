@@ -8,7 +8,8 @@ import torch
 
 from glm5next.config import ROUTER_NORM_EPS
 from glm5next.kernels.moe import (ExpertWeights, PrefillPlan, experts_forward, group_rows, moe_forward, moe_prefill,
-                                  moe_reference, plan_moe, prefill_experts, prefill_plan, route, route_reference)
+                                  moe_reference, plan_moe, prefill_experts, prefill_plan, route, route_reference,
+                                  shared_expert_beside)
 from glm5next.specialized_decode.moe import MoeStage
 
 FP8 = torch.float8_e4m3fn
@@ -79,6 +80,38 @@ def test_moe_layer_equals_reference(shape, tokens):
     assert torch.equal(r.ids.long(), ids)
     assert rel(r.weights, weights) < 1e-5
     check_grouping(r, ids, slots)
+
+
+@pytest.mark.parametrize("shape,tokens,block_n", [("odd", 1, 16), ("odd", 7, 32), ("tiny", 2, 16)])
+def test_shared_expert_beside_the_routing_equals_reference(shape, tokens, block_n):
+    """The shared expert in launches of its own before the routing: the same layer (a padded row writes 0)
+    and the routed launches leave its rows alone (they hold its values, not the NaN they were filled with)."""
+    e, d, i, k = SHAPES[shape]
+    w = random_weights(e, d, i, seed=tokens + 21)
+    x = torch.randn(tokens, d, generator=torch.Generator().manual_seed(tokens + 2))
+    slots = torch.arange(tokens)
+    if tokens > 1:
+        slots[1] = -1
+    plan = plan_moe(tokens, d, x.device, shared_side=True, side_block_n=block_n)
+    assert "the shared expert beside the routing" in plan.describe()
+    out = torch.full((tokens, d), float("nan"))
+    moe_forward(x, w, k, 2.5, True, ROUTER_NORM_EPS, 10.0, plan, slots, out=out)
+    want = moe_reference(x, w, k, 2.5, True, ROUTER_NORM_EPS, 10.0, slots)
+    assert rel(out, want) < 1e-4
+    assert torch.all(out[slots < 0] == 0)
+    h = torch.full((tokens * (k + 1), i), float("nan"))
+    y = torch.full((tokens * (k + 1), d), float("nan"))
+    shared_expert_beside(x, w, k, 10.0, plan, slots, h, y)
+    r = route(x, w, k, 2.5, True, ROUTER_NORM_EPS, plan, slots)
+    experts_forward(x, w, r, 10.0, plan, slots, out, shared=(h, y))
+    assert rel(out, want) < 1e-4
+    shared_rows = tokens * k + torch.nonzero(slots >= 0).flatten()
+    assert not y[shared_rows].isnan().any() and not y[:tokens * k][r.weights.flatten() > 0].isnan().any()
+
+
+def test_shared_expert_beside_the_routing_refuses_steps_past_one_block():
+    with pytest.raises(ValueError, match="at most block_m=16"):
+        plan_moe(17, 192, torch.device("cpu"), shared_side=True)
 
 
 @pytest.mark.parametrize("tokens", [1, 6])
@@ -237,6 +270,34 @@ def test_real_shapes_bf16_against_fp32_reference(tokens, overrides):
     moe_forward(x, w, 8, 2.5, True, ROUTER_NORM_EPS, 10.0, plan, slots, out=out)
     want = moe_reference(x.float(), w, 8, 2.5, True, ROUTER_NORM_EPS, 10.0, slots)
     assert rel(out, want) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+@pytest.mark.parametrize("tokens,overrides", [(1, {}), (2, {}), (8, {}), (1, {"pdl": False}), (2, {"side_block_n": 32})])
+def test_shared_expert_on_a_second_stream_changes_no_bit(tokens, overrides):
+    """The shared expert's launches on a second stream, eager and replayed from a captured graph (a branch of
+    it), give the bits they give on one stream, and the layer matches the fp32 reference."""
+    w = random_weights(288, 4096, 2048, device="cuda", seed=tokens + 5)
+    x = torch.randn(tokens, 4096, device="cuda").to(torch.bfloat16)
+    slots = torch.arange(tokens, device="cuda")
+    plan = plan_moe(tokens, 4096, x.device, shared_side=True, **overrides)
+    one = torch.full((tokens, 4096), float("nan"), dtype=torch.bfloat16, device="cuda")
+    moe_forward(x, w, 8, 2.5, True, ROUTER_NORM_EPS, 10.0, plan, slots, out=one)
+    assert rel(one, moe_reference(x.float(), w, 8, 2.5, True, ROUTER_NORM_EPS, 10.0, slots)) < 2e-2
+    side = torch.cuda.Stream()
+    two = torch.full_like(one, float("nan"))
+    moe_forward(x, w, 8, 2.5, True, ROUTER_NORM_EPS, 10.0, plan, slots, out=two, side=side)
+    torch.cuda.synchronize()
+    assert torch.equal(one, two)
+    two.fill_(float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        moe_forward(x, w, 8, 2.5, True, ROUTER_NORM_EPS, 10.0, plan, slots, out=two, side=side)
+    two.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(one, two)
 
 
 @pytest.mark.gpu

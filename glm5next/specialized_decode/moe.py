@@ -28,6 +28,8 @@ class MoeStage:
         self.norm = moe.gate.norm_topk_prob
         self.limit = moe.experts.swiglu_limit
         self._plans: dict[int, MoePlan] = {}
+        self._side: torch.cuda.Stream | None = None
+        """The second stream of plans with the shared expert beside the routing."""
 
     @staticmethod
     def supports(moe: MoE) -> bool:
@@ -49,5 +51,8 @@ class MoeStage:
         """The MoE output [T, D] of `x` [T, D] (rows whose `slots` entry is negative are padding: 0)."""
         if x.shape[0] > MAX_TOKENS:
             raise ValueError(f"the MoE stage runs steps of at most {MAX_TOKENS} tokens, got {x.shape[0]}")
-        return moe_forward(x, self.weights, self.top_k, self.scale, self.norm, ROUTER_NORM_EPS, self.limit,
-                           self.plan(x.shape[0]), slots)
+        plan = self.plan(x.shape[0])
+        if plan.shared_side and x.is_cuda and self._side is None:
+            self._side = torch.cuda.Stream(x.device)
+        return moe_forward(x, self.weights, self.top_k, self.scale, self.norm, ROUTER_NORM_EPS, self.limit, plan,
+                           slots, side=self._side if plan.shared_side and x.is_cuda else None)

@@ -21,13 +21,14 @@ import torch
 import triton
 
 from .. import pdl as _pdl
-from .experts import combine_kernel, down_kernel, gate_up_kernel
+from .experts import combine_kernel, down_kernel, gate_up_kernel, shared_down_kernel, shared_gate_up_kernel
 from .prefill import down_rows_kernel, gate_up_rows_kernel
 from .reference import moe_reference, route_reference
 from .routing import group_kernel, router_logits_kernel, router_rows_kernel, topk_group_kernel, topk_kernel
 
 __all__ = ["ExpertWeights", "MoePlan", "PrefillPlan", "Routing", "experts_forward", "group_rows", "moe_forward",
-           "moe_prefill", "moe_reference", "plan_moe", "prefill_experts", "prefill_plan", "route", "route_reference"]
+           "moe_prefill", "moe_reference", "plan_moe", "prefill_experts", "prefill_plan", "route", "route_reference",
+           "shared_expert_beside"]
 
 MAX_TOKENS = 64
 """Most tokens one call takes (the routing kernel holds the whole step in one program)."""
@@ -136,6 +137,13 @@ class MoePlan:
     pdl: bool = False
     """Every launch a programmatic dependent of the one before (`kernels/pdl.py`; CUDA on SM90+ only): the
     router's weights and the shared expert's fetched into L2 while the kernels before still run."""
+    shared_side: bool = False
+    """The shared expert in launches of its own (`shared_gate_up_kernel`, `shared_down_kernel`) issued before
+    the routing, on the caller's second stream where it gives one (a branch of a captured graph): its bytes
+    stream beside the routing's latency-bound launches; the routed launches skip its slot. Steps of at most
+    block_m tokens."""
+    side_block_n: int = 16
+    """Columns a program of the shared expert's own gate|up launch (its down takes twice as many)."""
 
     def describe(self) -> str:
         router = "row form" if self.router_rows else "split-K products"
@@ -144,6 +152,8 @@ class MoePlan:
                 f"{self.num_warps} warps, {self.num_stages} stages (down {self.down_stages or self.num_stages})"
                 + (", fp16 products" if self.half else "")
                 + (", top-k and grouping in one program" if self.topk_group else "")
+                + (f", the shared expert beside the routing ({self.side_block_n} columns a program)"
+                   if self.shared_side else "")
                 + (", programmatic-dependent launches" if self.pdl else ""))
 
 
@@ -180,6 +190,9 @@ def plan_moe(tokens: int, hidden: int, device: torch.device, **overrides) -> Moe
     plan = MoePlan(**{**plan.__dict__, **overrides})
     if plan.block_m > block_t:
         plan = MoePlan(**{**plan.__dict__, "block_m": block_t})
+    if plan.shared_side and tokens > plan.block_m:
+        raise ValueError(f"the shared expert beside the routing takes steps of at most block_m={plan.block_m} "
+                         f"tokens, got {tokens}")
     return plan
 
 
@@ -276,33 +289,72 @@ def group_rows(ids: torch.Tensor, weights: torch.Tensor, num_experts: int, block
                    rows.to(**i32), ends[-1:].to(**i32))
 
 
+def _half(x: torch.Tensor, w: ExpertWeights, plan: MoePlan) -> tuple[bool, bool]:
+    """(fp32 products, fp16 products) for activations `x` and weights `w` under `plan`."""
+    f32 = x.dtype == torch.float32 or x.device.type == "cpu"
+    return f32, plan.half and w.scaled and not f32
+
+
+def _expert_buffers(x: torch.Tensor, top_k: int, w: ExpertWeights, plan: MoePlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-pair SwiGLU outputs h [pairs, I] and expert outputs y [pairs, D] fp32 of a step."""
+    t, d = x.shape
+    pairs = t * top_k + t
+    half = _half(x, w, plan)[1]
+    return (torch.empty(pairs, w.gate.shape[1], dtype=torch.float16 if half else x.dtype, device=x.device),
+            torch.empty(pairs, d, dtype=torch.float32, device=x.device))
+
+
+def shared_expert_beside(x: torch.Tensor, w: ExpertWeights, top_k: int, limit: float, plan: MoePlan,
+                         slots: torch.Tensor | None, h: torch.Tensor, y: torch.Tensor) -> None:
+    """The shared expert's rows of h and y (`_expert_buffers`) in two launches that need no routing
+    (`plan.shared_side`, at most block_m tokens), on the current stream."""
+    t, d = x.shape
+    n_inter = w.gate.shape[1]
+    f32, half = _half(x, w, plan)
+    offs = w.shared_offsets()
+    consts = dict(TOP_K=top_k, HAS_SLOTS=slots is not None, HAS_SCALE=w.scaled, F32=f32, HALF=half, BLOCK_M=plan.block_m,
+                  BLOCK_K=plan.block_k, num_warps=plan.num_warps)
+    slots_arg = slots if slots is not None else y
+    shared_gate_up_kernel[(triton.cdiv(n_inter, plan.side_block_n),)](
+        x, w.gate, w.up, w.gate_scale, w.up_scale, h, slots_arg, offs[0], offs[1], offs[3], offs[4],
+        t, n_inter, d, x.stride(0), float(limit), BLOCK_N=plan.side_block_n, num_stages=plan.num_stages, **consts)
+    shared_down_kernel[(triton.cdiv(d, 2 * plan.side_block_n),)](
+        h, w.down, w.down_scale, y, y, slots_arg, offs[2], offs[5], t, d, n_inter,
+        BLOCK_N=2 * plan.side_block_n, num_stages=plan.down_stages or plan.num_stages, **consts)
+
+
 def experts_forward(x: torch.Tensor, w: ExpertWeights, r: Routing, limit: float, plan: MoePlan,
-                    slots: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                    slots: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    join: torch.cuda.Stream | None = None) -> torch.Tensor:
     """The grouped experts of routing `r` over `x` [T, D] and the combine: [T, D] in x's dtype (0 for
-    padded tokens, `slots` < 0)."""
+    padded tokens, `slots` < 0). `shared`: the buffers h, y of `shared_expert_beside`, whose shared rows
+    its launches fill (issued on stream `join`, which the combine waits for); the launches here then skip
+    the shared expert's slot."""
     t, d = x.shape
     top_k = r.ids.shape[1]
     n_inter = w.gate.shape[1]
     dev = x.device
-    f32 = x.dtype == torch.float32 or dev.type == "cpu"
+    f32, half = _half(x, w, plan)
     offs = w.shared_offsets()
-    pairs = t * top_k + t
-    half = plan.half and w.scaled and not f32
     pdl = _pdl_args(plan, dev)
-    h = torch.empty(pairs, n_inter, dtype=torch.float16 if half else x.dtype, device=dev)
-    gate_up_kernel[(r.max_slots, triton.cdiv(n_inter, plan.gate_up_block_n))](
+    first = 0 if shared is None else 1
+    h, y = shared if shared is not None else _expert_buffers(x, top_k, w, plan)
+    gate_up_kernel[(r.max_slots - first, triton.cdiv(n_inter, plan.gate_up_block_n))](
         x, w.gate, w.up, w.gate_scale, w.up_scale, h, r.slot_expert, r.slot_start, r.slot_count, r.rows,
-        r.n_slots, offs[0], offs[1], offs[3], offs[4], t, n_inter, d, x.stride(0), float(limit),
+        r.n_slots, offs[0], offs[1], offs[3], offs[4], t, n_inter, d, x.stride(0), float(limit), first,
         TOP_K=top_k, HAS_SCALE=w.scaled, F32=f32, HALF=half, BLOCK_M=plan.block_m, BLOCK_N=plan.gate_up_block_n,
         BLOCK_K=plan.block_k, num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl)
-    y = torch.empty(pairs, d, dtype=torch.float32, device=dev)
-    down_kernel[(r.max_slots, triton.cdiv(d, plan.down_block_n))](
+    down_kernel[(r.max_slots - first, triton.cdiv(d, plan.down_block_n))](
         h, w.down, w.down_scale, r.weights, y, r.slot_expert, r.slot_start, r.slot_count, r.rows, r.n_slots,
-        offs[2], offs[5], t, d, n_inter,
+        offs[2], offs[5], t, d, n_inter, first,
         TOP_K=top_k, HAS_SCALE=w.scaled, F32=f32, HALF=half, BLOCK_M=plan.block_m, BLOCK_N=plan.down_block_n,
         BLOCK_K=plan.block_k, num_warps=plan.num_warps, num_stages=plan.down_stages or plan.num_stages, **pdl)
     if out is None:
         out = torch.empty(t, d, dtype=x.dtype, device=dev)
+    if join is not None:  # the shared expert's launches ran on another stream: the combine waits for them
+        torch.cuda.current_stream(dev).wait_stream(join)
+        pdl = {}
     combine_kernel[(t, triton.cdiv(d, plan.combine_block_n))](
         y, slots if slots is not None else y, out, t, d, out.stride(0),
         TOP_K=top_k, HAS_SLOTS=slots is not None, BLOCK_N=plan.combine_block_n, **pdl)
@@ -310,11 +362,23 @@ def experts_forward(x: torch.Tensor, w: ExpertWeights, r: Routing, limit: float,
 
 
 def moe_forward(x: torch.Tensor, w: ExpertWeights, top_k: int, scale: float, norm: bool, eps: float, limit: float,
-                plan: MoePlan, slots: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                plan: MoePlan, slots: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                side: torch.cuda.Stream | None = None) -> torch.Tensor:
     """The MoE output [T, D] in x's dtype of `x` [T, D], T <= 64, in six launches: per token, its routed
     experts weighted plus the shared expert, summed in fp32 in a fixed order; 0 for padded tokens
-    (`slots` < 0)."""
-    return experts_forward(x, w, route(x, w, top_k, scale, norm, eps, plan, slots), limit, plan, slots, out)
+    (`slots` < 0). With `plan.shared_side` the shared expert's two launches come first, on stream `side`
+    where one is given (beside the routing; the combine waits for them)."""
+    if not plan.shared_side:
+        return experts_forward(x, w, route(x, w, top_k, scale, norm, eps, plan, slots), limit, plan, slots, out)
+    shared = _expert_buffers(x, top_k, w, plan)  # on this stream, which frees them after the join
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(side):
+            shared_expert_beside(x, w, top_k, limit, plan, slots, *shared)
+    else:
+        shared_expert_beside(x, w, top_k, limit, plan, slots, *shared)
+    r = route(x, w, top_k, scale, norm, eps, plan, slots)
+    return experts_forward(x, w, r, limit, plan, slots, out, shared, side)
 
 
 PREFILL_CHUNK = 4096

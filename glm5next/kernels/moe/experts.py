@@ -65,16 +65,54 @@ def _prefetch_shared(w_ptr, shared_off, n, N, K):
 
 
 @triton.jit
+def _gate_up_block(x_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr, e, p, rmask, pid_n,
+                   shared_wg, shared_wu, shared_sg, shared_su, T, N, K, stride_x, limit,
+                   TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, F32: tl.constexpr, HALF: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """h[p, n] of expert e (-1: the shared one) for one block of rows p [BLOCK_M] (under rmask) and the
+    program's BLOCK_N columns (see `gate_up_kernel`)."""
+    ks = tl.cdiv(K, 128)
+    wg_off = _offset(e, N * K, shared_wg)
+    wu_off = _offset(e, N * K, shared_wu)
+    s_row = (pid_n * BLOCK_N // 128) * ks
+    sg_off = _offset(e, tl.cdiv(N, 128) * ks, shared_sg) + s_row
+    su_off = _offset(e, tl.cdiv(N, 128) * ks, shared_su) + s_row
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    tok = tl.where(p >= T * TOP_K, p - T * TOP_K, p // TOP_K)
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < K
+        x = tl.load(x_ptr + tok[:, None] * stride_x + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        wmask = nmask[:, None] & kmask[None, :]
+        wg = tl.load(wg_ptr + wg_off + n[:, None] * K + k[None, :], mask=wmask, other=0.0)
+        wu = tl.load(wu_ptr + wu_off + n[:, None] * K + k[None, :], mask=wmask, other=0.0)
+        if HAS_SCALE:
+            sg = tl.load(sg_ptr + sg_off + k0 // 128)
+            su = tl.load(su_ptr + su_off + k0 // 128)
+        else:
+            sg = 1.0
+            su = 1.0
+        acc_g += _product(x, wg, sg, F32, HALF)
+        acc_u += _product(x, wu, su, F32, HALF)
+    h = _swiglu(acc_g, acc_u, limit)
+    tl.store(h_ptr + p[:, None] * N + n[None, :], h.to(h_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+
+
+@triton.jit
 def gate_up_kernel(x_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr,
                    slot_expert_ptr, slot_start_ptr, slot_count_ptr, rows_ptr, n_slots_ptr,
                    shared_wg, shared_wu, shared_sg, shared_su,
-                   T, N, K, stride_x, limit,
+                   T, N, K, stride_x, limit, first_slot,
                    TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, F32: tl.constexpr, HALF: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """h[p, n] = silu(min(g, limit)) * clamp(u, -limit, limit) for the slot's rows p, where
     g = x[token(p)] @ Wg[e].T and u likewise; the token of row p is p // TOP_K for routed pairs and
-    p - T * TOP_K for the shared expert's rows."""
-    slot = tl.program_id(0)
+    p - T * TOP_K for the shared expert's rows. Program i takes slot first_slot + i (1: the shared expert's
+    slot runs elsewhere, `beside.py`)."""
+    slot = tl.program_id(0) + first_slot
     pid_n = tl.program_id(1)
     if PDL:
         launch_dependents()
@@ -86,53 +124,54 @@ def gate_up_kernel(x_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr,
         wait_previous()
     if slot >= tl.load(n_slots_ptr):
         return
-    ks = tl.cdiv(K, 128)
     e = tl.load(slot_expert_ptr + slot)
     start = tl.load(slot_start_ptr + slot)
     count = tl.load(slot_count_ptr + slot)
-    wg_off = _offset(e, N * K, shared_wg)
-    wu_off = _offset(e, N * K, shared_wu)
-    sg_off = _offset(e, tl.cdiv(N, 128) * ks, shared_sg)
-    su_off = _offset(e, tl.cdiv(N, 128) * ks, shared_su)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < N
-    s_row = (pid_n * BLOCK_N // 128) * ks
     for m0 in range(0, count, BLOCK_M):
         r = m0 + tl.arange(0, BLOCK_M)
         rmask = r < count
         p = tl.load(rows_ptr + start + r, mask=rmask, other=0)
-        tok = tl.where(p >= T * TOP_K, p - T * TOP_K, p // TOP_K)
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            kmask = k < K
-            x = tl.load(x_ptr + tok[:, None] * stride_x + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-            wmask = nmask[:, None] & kmask[None, :]
-            wg = tl.load(wg_ptr + wg_off + n[:, None] * K + k[None, :], mask=wmask, other=0.0)
-            wu = tl.load(wu_ptr + wu_off + n[:, None] * K + k[None, :], mask=wmask, other=0.0)
-            if HAS_SCALE:
-                sg = tl.load(sg_ptr + sg_off + s_row + k0 // 128)
-                su = tl.load(su_ptr + su_off + s_row + k0 // 128)
-            else:
-                sg = 1.0
-                su = 1.0
-            acc_g += _product(x, wg, sg, F32, HALF)
-            acc_u += _product(x, wu, su, F32, HALF)
-        h = _swiglu(acc_g, acc_u, limit)
-        tl.store(h_ptr + p[:, None] * N + n[None, :], h.to(h_ptr.dtype.element_ty),
-                 mask=rmask[:, None] & nmask[None, :])
+        _gate_up_block(x_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr, e, p, rmask, pid_n,
+                       shared_wg, shared_wu, shared_sg, shared_su, T, N, K, stride_x, limit,
+                       TOP_K, HAS_SCALE, F32, HALF, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _down_block(h_ptr, w_ptr, s_ptr, weights_ptr, y_ptr, e, p, rmask, pid_n, shared_w, shared_s, T, N, K,
+                TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, F32: tl.constexpr, HALF: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y[p, n] of expert e (-1: the shared one) for one block of rows p [BLOCK_M] (under rmask) and the
+    program's BLOCK_N columns (see `down_kernel`)."""
+    ks = tl.cdiv(K, 128)
+    w_off = _offset(e, N * K, shared_w)
+    s_off = _offset(e, tl.cdiv(N, 128) * ks, shared_s) + (pid_n * BLOCK_N // 128) * ks
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < K
+        h = tl.load(h_ptr + p[:, None] * K + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(w_ptr + w_off + n[:, None] * K + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        if HAS_SCALE:
+            s = tl.load(s_ptr + s_off + k0 // 128)
+        else:
+            s = 1.0
+        acc += _product(h, w, s, F32, HALF)
+    routed = p < T * TOP_K
+    wt = tl.load(weights_ptr + p, mask=rmask & routed, other=1.0)
+    tl.store(y_ptr + p[:, None] * N + n[None, :], acc * wt[:, None], mask=rmask[:, None] & nmask[None, :])
 
 
 @triton.jit
 def down_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, y_ptr,
                 slot_expert_ptr, slot_start_ptr, slot_count_ptr, rows_ptr, n_slots_ptr,
-                shared_w, shared_s, T, N, K,
+                shared_w, shared_s, T, N, K, first_slot,
                 TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, F32: tl.constexpr, HALF: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """y[p, n] = weight(p) * (h[p] @ Wd[e].T)[n] in fp32 for the slot's rows p (weight 1 for the
-    shared expert's rows, the routing weight of pair p otherwise)."""
-    slot = tl.program_id(0)
+    shared expert's rows, the routing weight of pair p otherwise). Program i takes slot first_slot + i."""
+    slot = tl.program_id(0) + first_slot
     pid_n = tl.program_id(1)
     if PDL:
         launch_dependents()
@@ -142,33 +181,15 @@ def down_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, y_ptr,
         wait_previous()
     if slot >= tl.load(n_slots_ptr):
         return
-    ks = tl.cdiv(K, 128)
     e = tl.load(slot_expert_ptr + slot)
     start = tl.load(slot_start_ptr + slot)
     count = tl.load(slot_count_ptr + slot)
-    w_off = _offset(e, N * K, shared_w)
-    s_off = _offset(e, tl.cdiv(N, 128) * ks, shared_s)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < N
-    s_row = (pid_n * BLOCK_N // 128) * ks
     for m0 in range(0, count, BLOCK_M):
         r = m0 + tl.arange(0, BLOCK_M)
         rmask = r < count
         p = tl.load(rows_ptr + start + r, mask=rmask, other=0)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            kmask = k < K
-            h = tl.load(h_ptr + p[:, None] * K + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-            w = tl.load(w_ptr + w_off + n[:, None] * K + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-            if HAS_SCALE:
-                s = tl.load(s_ptr + s_off + s_row + k0 // 128)
-            else:
-                s = 1.0
-            acc += _product(h, w, s, F32, HALF)
-        routed = p < T * TOP_K
-        wt = tl.load(weights_ptr + p, mask=rmask & routed, other=1.0)
-        tl.store(y_ptr + p[:, None] * N + n[None, :], acc * wt[:, None], mask=rmask[:, None] & nmask[None, :])
+        _down_block(h_ptr, w_ptr, s_ptr, weights_ptr, y_ptr, e, p, rmask, pid_n, shared_w, shared_s, T, N, K,
+                    TOP_K, HAS_SCALE, F32, HALF, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -188,3 +209,37 @@ def combine_kernel(y_ptr, slots_ptr, out_ptr, T, N, stride_out,
     if HAS_SLOTS:
         acc = tl.where(tl.load(slots_ptr + t) >= 0, acc, 0.0)
     tl.store(out_ptr + t * stride_out + n, acc.to(out_ptr.dtype.element_ty), mask=nmask)
+
+
+@triton.jit
+def _shared_rows(slots_ptr, T, TOP_K: tl.constexpr, HAS_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The shared expert's rows T * TOP_K + t of the step's tokens t < BLOCK_M, and which are valid tokens."""
+    t = tl.arange(0, BLOCK_M)
+    valid = t < T
+    if HAS_SLOTS:
+        valid = valid & (tl.load(slots_ptr + t, mask=valid, other=-1) >= 0)
+    return T * TOP_K + t, valid
+
+
+@triton.jit
+def shared_gate_up_kernel(x_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr, slots_ptr,
+                          shared_wg, shared_wu, shared_sg, shared_su, T, N, K, stride_x, limit,
+                          TOP_K: tl.constexpr, HAS_SLOTS: tl.constexpr, HAS_SCALE: tl.constexpr, F32: tl.constexpr,
+                          HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The shared expert's h rows of a step of at most BLOCK_M tokens, one BLOCK_N column block a program:
+    `gate_up_kernel`'s slot 0 without the routing (it needs none), so it may run beside it."""
+    p, valid = _shared_rows(slots_ptr, T, TOP_K, HAS_SLOTS, BLOCK_M)
+    _gate_up_block(x_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr, tl.full([], -1, tl.int32), p, valid,
+                   tl.program_id(0), shared_wg, shared_wu, shared_sg, shared_su, T, N, K, stride_x, limit,
+                   TOP_K, HAS_SCALE, F32, HALF, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def shared_down_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, y_ptr, slots_ptr, shared_w, shared_s, T, N, K,
+                       TOP_K: tl.constexpr, HAS_SLOTS: tl.constexpr, HAS_SCALE: tl.constexpr, F32: tl.constexpr,
+                       HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The shared expert's y rows (weight 1) of a step of at most BLOCK_M tokens, one BLOCK_N column block a
+    program: `down_kernel`'s slot 0 without the routing."""
+    p, valid = _shared_rows(slots_ptr, T, TOP_K, HAS_SLOTS, BLOCK_M)
+    _down_block(h_ptr, w_ptr, s_ptr, weights_ptr, y_ptr, tl.full([], -1, tl.int32), p, valid, tl.program_id(0),
+                shared_w, shared_s, T, N, K, TOP_K, HAS_SCALE, F32, HALF, BLOCK_M, BLOCK_N, BLOCK_K)
