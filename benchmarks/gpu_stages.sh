@@ -18,8 +18,7 @@
 # PART=12: the engine's startup warm-up (engine_steps.py: its time and kernel variants, then the requests' steps).
 # PART=18: the three stages on this GPU (a GPU kind the plans were not measured on): their GPU tests, the MoE,
 # KDA and DSA stages at 1-64 tokens against their floors, stock and peers, the planned step's profile at 8K.
-# PART=19: the MoE's shared expert on a second stream beside the routing and the combine in the down launch (their
-# GPU tests, the stage's plan variants).
+# PART=19: the MoE's shared expert on a second stream beside the routing (its GPU tests, the stage's plan variants).
 # PART=15: the DSA selection alone (dsa_select.py) and the DSA stage, here and on the package of commit $BASE
 # unpacked in benchmarks/.b/$BASE (as PART=9 says), with the selection's GPU tests.
 # A fresh machine compiles every kernel first: the first part run there needs the longest limits. Logs
@@ -134,8 +133,7 @@ elif [ "${PART:-1}" = 19 ]; then
 # The MoE's shared expert in launches of its own on a second stream beside the routing, against the plan without.
 run moe-side-tests 200 python -m pytest -q -m gpu -rfE --tb=short tests/test_kernels_moe.py -k "second_stream or real_shapes_bf16"
 run moe-side ${MOE_LIMIT:-200} python benchmarks/moe_stage.py --no-peer --tokens ${MOE_TOKENS:-1,2,4,8,16} --variants \
-  --fields shared_side,combine_in_down \
-  --plans "${MOE_PLANS:-shared_side=1,combine_in_down=1;shared_side=1,gate_up_block_n=64;shared_side=1,side_block_n=32}" \
+  --fields shared_side --plans "${MOE_PLANS:-shared_side=1,gate_up_block_n=64;shared_side=1,side_block_n=32;shared_side=1,pdl=0}" \
   --out "$OUT/moe-side.json"
 elif [ "${PART:-1}" = 5 ]; then
 run e2e 540 python -m glm5next.bench.cli --mode specialized --tokens 1,4,16,64 --concurrency 1,4,16,64 \

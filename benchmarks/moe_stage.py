@@ -48,7 +48,6 @@ VARIANTS = {
     "topk_group": [True, False],
     "pdl": [True, False],
     "shared_side": [True],
-    "combine_in_down": [True],
 }
 """Single-field changes to the default plan that `--variants` times at every token count."""
 

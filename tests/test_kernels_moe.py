@@ -9,7 +9,7 @@ import torch
 from glm5next.config import ROUTER_NORM_EPS
 from glm5next.kernels.moe import (ExpertWeights, PrefillPlan, experts_forward, group_rows, moe_forward, moe_prefill,
                                   moe_reference, plan_moe, prefill_experts, prefill_plan, route, route_reference,
-                                  combine_counts, shared_expert_beside)
+                                  shared_expert_beside)
 from glm5next.specialized_decode.moe import MoeStage
 
 FP8 = torch.float8_e4m3fn
@@ -107,33 +107,6 @@ def test_shared_expert_beside_the_routing_equals_reference(shape, tokens, block_
     assert rel(out, want) < 1e-4
     shared_rows = tokens * k + torch.nonzero(slots >= 0).flatten()
     assert not y[shared_rows].isnan().any() and not y[:tokens * k][r.weights.flatten() > 0].isnan().any()
-
-
-@pytest.mark.parametrize("shape,tokens,side", [("odd", 1, False), ("odd", 7, True), ("tiny", 5, False),
-                                               ("odd", 40, False), ("tiny", 3, True)])
-def test_combine_in_the_down_launch_equals_the_combine_launch(shape, tokens, side):
-    """The last pair of a token to arrive sums its pairs: the combine launch's bits (a padded row gets 0),
-    twice in a row on the same counters, which it leaves at zero."""
-    e, d, i, k = SHAPES[shape]
-    w = random_weights(e, d, i, seed=tokens + 31)
-    x = torch.randn(tokens, d, generator=torch.Generator().manual_seed(tokens + 3))
-    slots = torch.arange(tokens)
-    if tokens > 1:
-        slots[tokens // 2] = -1
-    # (the shared expert's own down launch takes the routed one's columns, 2 x side_block_n, in both plans)
-    base = plan_moe(tokens, d, x.device, shared_side=side, side_block_n=32)
-    plan = plan_moe(tokens, d, x.device, shared_side=side, side_block_n=32, combine_in_down=True)
-    assert 2 * plan.side_block_n == plan.down_block_n
-    assert "the combine in the down launch" in plan.describe()
-    want = torch.full((tokens, d), float("nan"))
-    moe_forward(x, w, k, 2.5, True, ROUTER_NORM_EPS, 10.0, base, slots, out=want)
-    counts = combine_counts(tokens, d, plan, x.device)
-    for _ in range(2):
-        out = torch.full((tokens, d), float("nan"))
-        moe_forward(x, w, k, 2.5, True, ROUTER_NORM_EPS, 10.0, plan, slots, out=out, counts=counts)
-        assert torch.equal(out, want)
-        assert not counts.any()
-    assert torch.all(out[slots < 0] == 0)
 
 
 def test_shared_expert_beside_the_routing_refuses_steps_past_one_block():
@@ -301,8 +274,7 @@ def test_real_shapes_bf16_against_fp32_reference(tokens, overrides):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
-@pytest.mark.parametrize("tokens,overrides", [(1, {}), (2, {}), (8, {}), (1, {"pdl": False}), (2, {"side_block_n": 32}),
-                                             (1, {"combine_in_down": True}), (4, {"combine_in_down": True})])
+@pytest.mark.parametrize("tokens,overrides", [(1, {}), (2, {}), (8, {}), (1, {"pdl": False}), (2, {"side_block_n": 32})])
 def test_shared_expert_on_a_second_stream_changes_no_bit(tokens, overrides):
     """The shared expert's launches on a second stream, eager and replayed from a captured graph (a branch of
     it), give the bits they give on one stream, and the layer matches the fp32 reference."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ROUTER_NORM_EPS
-from ..kernels.moe import MAX_TOKENS, ExpertWeights, MoePlan, combine_counts, moe_forward, plan_moe
+from ..kernels.moe import MAX_TOKENS, ExpertWeights, MoePlan, moe_forward, plan_moe
 from ..model.moe import MoE
 
 
@@ -30,8 +30,6 @@ class MoeStage:
         self._plans: dict[int, MoePlan] = {}
         self._side: torch.cuda.Stream | None = None
         """The second stream of plans with the shared expert beside the routing."""
-        self._counts: dict[int, torch.Tensor] = {}
-        """Per token count, the combine's arrival counters of plans with the combine in the down launch."""
 
     @staticmethod
     def supports(moe: MoE) -> bool:
@@ -53,12 +51,8 @@ class MoeStage:
         """The MoE output [T, D] of `x` [T, D] (rows whose `slots` entry is negative are padding: 0)."""
         if x.shape[0] > MAX_TOKENS:
             raise ValueError(f"the MoE stage runs steps of at most {MAX_TOKENS} tokens, got {x.shape[0]}")
-        t, d = x.shape
-        plan = self.plan(t)
+        plan = self.plan(x.shape[0])
         if plan.shared_side and x.is_cuda and self._side is None:
             self._side = torch.cuda.Stream(x.device)
-        if plan.combine_in_down and t not in self._counts:
-            self._counts[t] = combine_counts(t, d, plan, x.device)
         return moe_forward(x, self.weights, self.top_k, self.scale, self.norm, ROUTER_NORM_EPS, self.limit, plan,
-                           slots, side=self._side if plan.shared_side and x.is_cuda else None,
-                           counts=self._counts.get(t))
+                           slots, side=self._side if plan.shared_side and x.is_cuda else None)

@@ -28,7 +28,7 @@ from .routing import group_kernel, router_logits_kernel, router_rows_kernel, top
 
 __all__ = ["ExpertWeights", "MoePlan", "PrefillPlan", "Routing", "experts_forward", "group_rows", "moe_forward",
            "moe_prefill", "moe_reference", "plan_moe", "prefill_experts", "prefill_plan", "route", "route_reference",
-           "combine_counts", "shared_expert_beside"]
+           "shared_expert_beside"]
 
 MAX_TOKENS = 64
 """Most tokens one call takes (the routing kernel holds the whole step in one program)."""
@@ -143,11 +143,7 @@ class MoePlan:
     stream beside the routing's latency-bound launches; the routed launches skip its slot. Steps of at most
     block_m tokens."""
     side_block_n: int = 16
-    """Columns a program of the shared expert's own gate|up launch (its down takes twice as many, or
-    down_block_n with `combine_in_down`)."""
-    combine_in_down: bool = False
-    """The combine inside the down launches (`experts._arrive`: the last of a token's pairs to arrive in a
-    column block sums them, in the combine launch's order) instead of a launch of its own."""
+    """Columns a program of the shared expert's own gate|up launch (its down takes twice as many)."""
 
     def describe(self) -> str:
         router = "row form" if self.router_rows else "split-K products"
@@ -158,7 +154,6 @@ class MoePlan:
                 + (", top-k and grouping in one program" if self.topk_group else "")
                 + (f", the shared expert beside the routing ({self.side_block_n} columns a program)"
                    if self.shared_side else "")
-                + (", the combine in the down launch" if self.combine_in_down else "")
                 + (", programmatic-dependent launches" if self.pdl else ""))
 
 
@@ -309,18 +304,10 @@ def _expert_buffers(x: torch.Tensor, top_k: int, w: ExpertWeights, plan: MoePlan
             torch.empty(pairs, d, dtype=torch.float32, device=x.device))
 
 
-def combine_counts(tokens: int, hidden: int, plan: MoePlan, device: torch.device) -> torch.Tensor:
-    """The arrival counters of `plan.combine_in_down` at `tokens` tokens: zero, and left zero by the kernels
-    (a captured graph keeps the ones it was captured with)."""
-    return torch.zeros(tokens * triton.cdiv(hidden, plan.down_block_n), dtype=torch.int32, device=device)
-
-
 def shared_expert_beside(x: torch.Tensor, w: ExpertWeights, top_k: int, limit: float, plan: MoePlan,
-                         slots: torch.Tensor | None, h: torch.Tensor, y: torch.Tensor,
-                         out: torch.Tensor | None = None, counts: torch.Tensor | None = None) -> None:
+                         slots: torch.Tensor | None, h: torch.Tensor, y: torch.Tensor) -> None:
     """The shared expert's rows of h and y (`_expert_buffers`) in two launches that need no routing
-    (`plan.shared_side`, at most block_m tokens), on the current stream; with `plan.combine_in_down` its
-    share of the combine into `out` with the counters `counts` (`combine_counts`)."""
+    (`plan.shared_side`, at most block_m tokens), on the current stream."""
     t, d = x.shape
     n_inter = w.gate.shape[1]
     f32, half = _half(x, w, plan)
@@ -331,23 +318,19 @@ def shared_expert_beside(x: torch.Tensor, w: ExpertWeights, top_k: int, limit: f
     shared_gate_up_kernel[(triton.cdiv(n_inter, plan.side_block_n),)](
         x, w.gate, w.up, w.gate_scale, w.up_scale, h, slots_arg, offs[0], offs[1], offs[3], offs[4],
         t, n_inter, d, x.stride(0), float(limit), BLOCK_N=plan.side_block_n, num_stages=plan.num_stages, **consts)
-    down_n = plan.down_block_n if plan.combine_in_down else 2 * plan.side_block_n
-    shared_down_kernel[(triton.cdiv(d, down_n),)](
+    shared_down_kernel[(triton.cdiv(d, 2 * plan.side_block_n),)](
         h, w.down, w.down_scale, y, y, slots_arg, offs[2], offs[5], t, d, n_inter,
-        out if plan.combine_in_down else y, counts if plan.combine_in_down else y,
-        out.stride(0) if plan.combine_in_down else 0, BLOCK_N=down_n, COMBINE=plan.combine_in_down,
-        num_stages=plan.down_stages or plan.num_stages, **consts)
+        BLOCK_N=2 * plan.side_block_n, num_stages=plan.down_stages or plan.num_stages, **consts)
 
 
 def experts_forward(x: torch.Tensor, w: ExpertWeights, r: Routing, limit: float, plan: MoePlan,
                     slots: torch.Tensor | None = None, out: torch.Tensor | None = None,
                     shared: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    join: torch.cuda.Stream | None = None, counts: torch.Tensor | None = None) -> torch.Tensor:
+                    join: torch.cuda.Stream | None = None) -> torch.Tensor:
     """The grouped experts of routing `r` over `x` [T, D] and the combine: [T, D] in x's dtype (0 for
     padded tokens, `slots` < 0). `shared`: the buffers h, y of `shared_expert_beside`, whose shared rows
     its launches fill (issued on stream `join`, which the combine waits for); the launches here then skip
-    the shared expert's slot. `counts`: the counters of `plan.combine_in_down` (`combine_counts`; made
-    here if not given)."""
+    the shared expert's slot."""
     t, d = x.shape
     top_k = r.ids.shape[1]
     n_inter = w.gate.shape[1]
@@ -362,23 +345,16 @@ def experts_forward(x: torch.Tensor, w: ExpertWeights, r: Routing, limit: float,
         r.n_slots, offs[0], offs[1], offs[3], offs[4], t, n_inter, d, x.stride(0), float(limit), first,
         TOP_K=top_k, HAS_SCALE=w.scaled, F32=f32, HALF=half, BLOCK_M=plan.block_m, BLOCK_N=plan.gate_up_block_n,
         BLOCK_K=plan.block_k, num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl)
-    if out is None:
-        out = torch.empty(t, d, dtype=x.dtype, device=dev)
-    fold = plan.combine_in_down
-    if fold and counts is None:
-        counts = combine_counts(t, d, plan, dev)
     down_kernel[(r.max_slots - first, triton.cdiv(d, plan.down_block_n))](
         h, w.down, w.down_scale, r.weights, y, r.slot_expert, r.slot_start, r.slot_count, r.rows, r.n_slots,
-        offs[2], offs[5], t, d, n_inter, first, out if fold else y, counts if fold else y,
-        slots if fold and slots is not None else y, out.stride(0),
+        offs[2], offs[5], t, d, n_inter, first,
         TOP_K=top_k, HAS_SCALE=w.scaled, F32=f32, HALF=half, BLOCK_M=plan.block_m, BLOCK_N=plan.down_block_n,
-        BLOCK_K=plan.block_k, num_warps=plan.num_warps, num_stages=plan.down_stages or plan.num_stages,
-        COMBINE=fold, HAS_SLOTS=slots is not None, **pdl)
-    if join is not None:  # the shared expert's launches ran on another stream: what follows waits for them
+        BLOCK_K=plan.block_k, num_warps=plan.num_warps, num_stages=plan.down_stages or plan.num_stages, **pdl)
+    if out is None:
+        out = torch.empty(t, d, dtype=x.dtype, device=dev)
+    if join is not None:  # the shared expert's launches ran on another stream: the combine waits for them
         torch.cuda.current_stream(dev).wait_stream(join)
         pdl = {}
-    if fold:
-        return out
     combine_kernel[(t, triton.cdiv(d, plan.combine_block_n))](
         y, slots if slots is not None else y, out, t, d, out.stride(0),
         TOP_K=top_k, HAS_SLOTS=slots is not None, BLOCK_N=plan.combine_block_n, **pdl)
@@ -387,30 +363,22 @@ def experts_forward(x: torch.Tensor, w: ExpertWeights, r: Routing, limit: float,
 
 def moe_forward(x: torch.Tensor, w: ExpertWeights, top_k: int, scale: float, norm: bool, eps: float, limit: float,
                 plan: MoePlan, slots: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                side: torch.cuda.Stream | None = None, counts: torch.Tensor | None = None) -> torch.Tensor:
+                side: torch.cuda.Stream | None = None) -> torch.Tensor:
     """The MoE output [T, D] in x's dtype of `x` [T, D], T <= 64, in six launches: per token, its routed
     experts weighted plus the shared expert, summed in fp32 in a fixed order; 0 for padded tokens
     (`slots` < 0). With `plan.shared_side` the shared expert's two launches come first, on stream `side`
-    where one is given (beside the routing; the combine waits for them). `counts`: the counters of
-    `plan.combine_in_down` (`combine_counts`; made here if not given)."""
+    where one is given (beside the routing; the combine waits for them)."""
     if not plan.shared_side:
-        return experts_forward(x, w, route(x, w, top_k, scale, norm, eps, plan, slots), limit, plan, slots, out,
-                               counts=counts)
-    t, d = x.shape
-    # On this stream, which frees them after the join.
-    shared = _expert_buffers(x, top_k, w, plan)
-    if out is None:
-        out = torch.empty(t, d, dtype=x.dtype, device=x.device)
-    if plan.combine_in_down and counts is None:
-        counts = combine_counts(t, d, plan, x.device)
+        return experts_forward(x, w, route(x, w, top_k, scale, norm, eps, plan, slots), limit, plan, slots, out)
+    shared = _expert_buffers(x, top_k, w, plan)  # on this stream, which frees them after the join
     if side is not None:
         side.wait_stream(torch.cuda.current_stream(x.device))
         with torch.cuda.stream(side):
-            shared_expert_beside(x, w, top_k, limit, plan, slots, *shared, out, counts)
+            shared_expert_beside(x, w, top_k, limit, plan, slots, *shared)
     else:
-        shared_expert_beside(x, w, top_k, limit, plan, slots, *shared, out, counts)
+        shared_expert_beside(x, w, top_k, limit, plan, slots, *shared)
     r = route(x, w, top_k, scale, norm, eps, plan, slots)
-    return experts_forward(x, w, r, limit, plan, slots, out, shared, side, counts)
+    return experts_forward(x, w, r, limit, plan, slots, out, shared, side)
 
 
 PREFILL_CHUNK = 4096

@@ -137,41 +137,9 @@ def gate_up_kernel(x_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr,
 
 
 @triton.jit
-def _arrive(y_ptr, out_ptr, count_ptr, p, rmask, n, nmask, pid_n, NB, T, N, stride_out, TOP_K: tl.constexpr):
-    """The combine inside the down launches: rows p [BLOCK_M] (under rmask) of this program's column block
-    are stored; count them in on their tokens' counters (one per token and column block, NB blocks); where a
-    token's last pair arrives (TOP_K + 1 in all), sum its pairs' y in the combine's order (k ascending, the
-    shared expert last: the same bits as `combine_kernel`), store out and leave the counter zero."""
-    tok = tl.where(p >= T * TOP_K, p - T * TOP_K, p // TOP_K)
-    tl.debug_barrier()  # every thread's y stores come before the release
-    old = tl.atomic_add(count_ptr + tok * NB + pid_n, 1, mask=rmask, sem="acq_rel", scope="gpu")
-    last = rmask & (old == TOP_K)
-    tl.debug_barrier()  # the acquiring threads' view, before any thread reads the other programs' rows
-    if tl.max(last.to(tl.int32), 0) > 0:
-        m = last[:, None] & nmask[None, :]
-        acc = tl.zeros([p.shape[0], n.shape[0]], dtype=tl.float32)
-        for k in tl.static_range(TOP_K):
-            acc += tl.load(y_ptr + (tok * TOP_K + k)[:, None] * N + n[None, :], mask=m, other=0.0, volatile=True)
-        acc += tl.load(y_ptr + (T * TOP_K + tok)[:, None] * N + n[None, :], mask=m, other=0.0, volatile=True)
-        tl.store(out_ptr + tok[:, None] * stride_out + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=m)
-        tl.atomic_xchg(count_ptr + tok * NB + pid_n, 0, mask=last)
-
-
-@triton.jit
-def _zero_padded(out_ptr, slots_ptr, T, stride_out, n, nmask, BLOCK_M: tl.constexpr):
-    """out = 0 in columns n of the padded tokens (negative slot), which no pair counts in."""
-    for t0 in range(0, T, BLOCK_M):
-        t = t0 + tl.arange(0, BLOCK_M)
-        pad = (t < T) & (tl.load(slots_ptr + t, mask=t < T, other=0) < 0)
-        tl.store(out_ptr + t[:, None] * stride_out + n[None, :], tl.zeros([BLOCK_M, n.shape[0]], tl.float32)
-                 .to(out_ptr.dtype.element_ty), mask=pad[:, None] & nmask[None, :])
-
-
-@triton.jit
 def _down_block(h_ptr, w_ptr, s_ptr, weights_ptr, y_ptr, e, p, rmask, pid_n, shared_w, shared_s, T, N, K,
                 TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, F32: tl.constexpr, HALF: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                out_ptr, count_ptr, NB, stride_out, COMBINE: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """y[p, n] of expert e (-1: the shared one) for one block of rows p [BLOCK_M] (under rmask) and the
     program's BLOCK_N columns (see `down_kernel`)."""
     ks = tl.cdiv(K, 128)
@@ -193,21 +161,16 @@ def _down_block(h_ptr, w_ptr, s_ptr, weights_ptr, y_ptr, e, p, rmask, pid_n, sha
     routed = p < T * TOP_K
     wt = tl.load(weights_ptr + p, mask=rmask & routed, other=1.0)
     tl.store(y_ptr + p[:, None] * N + n[None, :], acc * wt[:, None], mask=rmask[:, None] & nmask[None, :])
-    if COMBINE:
-        _arrive(y_ptr, out_ptr, count_ptr, p, rmask, n, nmask, pid_n, NB, T, N, stride_out, TOP_K)
 
 
 @triton.jit
 def down_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, y_ptr,
                 slot_expert_ptr, slot_start_ptr, slot_count_ptr, rows_ptr, n_slots_ptr,
-                shared_w, shared_s, T, N, K, first_slot, out_ptr, count_ptr, slots_ptr, stride_out,
+                shared_w, shared_s, T, N, K, first_slot,
                 TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, F32: tl.constexpr, HALF: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
-                COMBINE: tl.constexpr = False, HAS_SLOTS: tl.constexpr = False):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """y[p, n] = weight(p) * (h[p] @ Wd[e].T)[n] in fp32 for the slot's rows p (weight 1 for the
-    shared expert's rows, the routing weight of pair p otherwise). Program i takes slot first_slot + i.
-    COMBINE: the combine too (`_arrive`), out [T, N] and counters [T, cdiv(N, BLOCK_N)] (zero, and left
-    zero); slot 0's programs write the padded tokens' zeros."""
+    shared expert's rows, the routing weight of pair p otherwise). Program i takes slot first_slot + i."""
     slot = tl.program_id(0) + first_slot
     pid_n = tl.program_id(1)
     if PDL:
@@ -216,10 +179,6 @@ def down_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, y_ptr,
             if slot == 0:
                 _prefetch_shared(w_ptr, shared_w, pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N, K)
         wait_previous()
-    if COMBINE and HAS_SLOTS:
-        if slot == 0:
-            n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            _zero_padded(out_ptr, slots_ptr, T, stride_out, n, n < N, BLOCK_M)
     if slot >= tl.load(n_slots_ptr):
         return
     e = tl.load(slot_expert_ptr + slot)
@@ -230,8 +189,7 @@ def down_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, y_ptr,
         rmask = r < count
         p = tl.load(rows_ptr + start + r, mask=rmask, other=0)
         _down_block(h_ptr, w_ptr, s_ptr, weights_ptr, y_ptr, e, p, rmask, pid_n, shared_w, shared_s, T, N, K,
-                    TOP_K, HAS_SCALE, F32, HALF, BLOCK_M, BLOCK_N, BLOCK_K,
-                    out_ptr, count_ptr, tl.cdiv(N, BLOCK_N), stride_out, COMBINE)
+                    TOP_K, HAS_SCALE, F32, HALF, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -278,17 +236,10 @@ def shared_gate_up_kernel(x_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr, slots_pt
 
 @triton.jit
 def shared_down_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, y_ptr, slots_ptr, shared_w, shared_s, T, N, K,
-                       out_ptr, count_ptr, stride_out,
                        TOP_K: tl.constexpr, HAS_SLOTS: tl.constexpr, HAS_SCALE: tl.constexpr, F32: tl.constexpr,
-                       HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       COMBINE: tl.constexpr = False):
+                       HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The shared expert's y rows (weight 1) of a step of at most BLOCK_M tokens, one BLOCK_N column block a
-    program: `down_kernel`'s slot 0 without the routing (COMBINE: its combine and padded zeros too)."""
-    pid_n = tl.program_id(0)
+    program: `down_kernel`'s slot 0 without the routing."""
     p, valid = _shared_rows(slots_ptr, T, TOP_K, HAS_SLOTS, BLOCK_M)
-    if COMBINE and HAS_SLOTS:
-        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        _zero_padded(out_ptr, slots_ptr, T, stride_out, n, n < N, BLOCK_M)
-    _down_block(h_ptr, w_ptr, s_ptr, weights_ptr, y_ptr, tl.full([], -1, tl.int32), p, valid, pid_n,
-                shared_w, shared_s, T, N, K, TOP_K, HAS_SCALE, F32, HALF, BLOCK_M, BLOCK_N, BLOCK_K,
-                out_ptr, count_ptr, tl.cdiv(N, BLOCK_N), stride_out, COMBINE)
+    _down_block(h_ptr, w_ptr, s_ptr, weights_ptr, y_ptr, tl.full([], -1, tl.int32), p, valid, tl.program_id(0),
+                shared_w, shared_s, T, N, K, TOP_K, HAS_SCALE, F32, HALF, BLOCK_M, BLOCK_N, BLOCK_K)
