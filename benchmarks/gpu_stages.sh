@@ -18,7 +18,8 @@
 # PART=12: the engine's startup warm-up (engine_steps.py: its time and kernel variants, then the requests' steps).
 # PART=18: the three stages on this GPU (a GPU kind the plans were not measured on): their GPU tests, the MoE,
 # KDA and DSA stages at 1-64 tokens against their floors, stock and peers, the planned step's profile at 8K.
-# PART=19: the MoE's shared expert on a second stream beside the routing (its GPU tests, the stage's plan variants).
+# PART=19: the MoE's shared expert on a second stream beside the routing (its GPU tests and the executor's, the
+# stage's plan variants, the step against the package of commit $BASE).
 # PART=15: the DSA selection alone (dsa_select.py) and the DSA stage, here and on the package of commit $BASE
 # unpacked in benchmarks/.b/$BASE (as PART=9 says), with the selection's GPU tests.
 # A fresh machine compiles every kernel first: the first part run there needs the longest limits. Logs
@@ -130,11 +131,14 @@ run dsa-stage 100 python benchmarks/dsa_stage.py --contexts 8192,131072 --tokens
   --out "$OUT/dsa-stage.json"
 run profile 100 python benchmarks/profile_step.py --tokens 1,8,64 --out "$OUT/profile.json"
 elif [ "${PART:-1}" = 19 ]; then
-# The MoE's shared expert in launches of its own on a second stream beside the routing, against the plan without.
-run moe-side-tests 200 python -m pytest -q -m gpu -rfE --tb=short tests/test_kernels_moe.py -k "second_stream or real_shapes_bf16"
-run moe-side ${MOE_LIMIT:-200} python benchmarks/moe_stage.py --no-peer --tokens ${MOE_TOKENS:-1,2,4,8,16} --variants \
-  --fields shared_side --plans "${MOE_PLANS:-shared_side=1,gate_up_block_n=64;shared_side=1,side_block_n=32;shared_side=1,pdl=0}" \
-  --out "$OUT/moe-side.json"
+# The MoE's shared expert beside the routing in the step: its GPU tests, the executor's, the stage's plan variants,
+# and the step's profile here and on the package of commit $BASE unpacked in benchmarks/.b/$BASE (as PART=9 says).
+run moe-side-tests 200 python -m pytest -q -m gpu -rfE --tb=short tests/test_kernels_moe.py tests/gpu/test_specialized.py
+run moe-side ${MOE_LIMIT:-120} python benchmarks/moe_stage.py --no-peer --tokens ${MOE_TOKENS:-1,2,4,8} --variants \
+  --fields shared_side --plans "${MOE_PLANS:-}" --out "$OUT/moe-side.json"
+run profile 150 python benchmarks/profile_step.py --tokens 1,2,4,8 --out "$OUT/profile.json"
+(cd "benchmarks/.b/$BASE" && cp ../../profile_step.py . && PYTHONPATH=.:/tmp/site run "profile-$BASE" 150 python \
+  profile_step.py --tokens 1,2,4,8 --out "$OUT/profile-$BASE.json")
 elif [ "${PART:-1}" = 5 ]; then
 run e2e 540 python -m glm5next.bench.cli --mode specialized --tokens 1,4,16,64 --concurrency 1,4,16,64 \
   --skip-eager --skip-graph --mixed-budgets 512,2048,8192 --out "$OUT/e2e.json"

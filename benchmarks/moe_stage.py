@@ -47,7 +47,7 @@ VARIANTS = {
     "half": [False],
     "topk_group": [True, False],
     "pdl": [True, False],
-    "shared_side": [True],
+    "shared_side": [True, False],
 }
 """Single-field changes to the default plan that `--variants` times at every token count."""
 

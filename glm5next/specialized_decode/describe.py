@@ -120,8 +120,12 @@ def stage_launches(w: dict, config: Glm5NextConfig, stage: str, choice: str, T: 
             return []
         p = plan_moe(T, config.hidden_size, torch.device("cuda"))
         e, inter, k = config.n_routed_experts, config.moe_intermediate_size, config.num_experts_per_tok
-        slots = -(-T // p.block_m) + min(T * k, e)
-        launches = [dict(launch="router_rows" if p.router_rows else "router_logits",
+        slots = -(-T // p.block_m) + min(T * k, e) - (1 if p.shared_side else 0)
+        side = [dict(launch="shared gate|up+swiglu", grid=(-(-inter // p.side_block_n),), stream="second",
+                     block=(p.block_m, p.side_block_n, p.block_k)),
+                dict(launch="shared down", grid=(-(-config.hidden_size // (2 * p.side_block_n)),), stream="second",
+                     block=(p.block_m, 2 * p.side_block_n, p.block_k))] if p.shared_side else []
+        launches = [*side, dict(launch="router_rows" if p.router_rows else "router_logits",
                          grid=(-(-e // p.router_block_e), p.router_split),
                          block=(p.block_t, p.router_block_e, p.router_block_k), warps=p.router_warps),
                     *([dict(launch="topk+group", grid=(1,), block_t=p.block_t, block_m=p.block_m)] if p.topk_group

@@ -1,5 +1,6 @@
-"""The MoE stage: router, routed experts and the shared expert of one MoE layer in six launches
-(`glm5next.kernels.moe`), each expert's FP8 weights read once per step for all the rows routed to it.
+"""The MoE stage: router, routed experts and the shared expert of one MoE layer in five or six launches
+(`glm5next.kernels.moe`), each expert's FP8 weights read once per step for all the rows routed to it; at
+2-4 tokens the shared expert's two launches run beside the routing on the stage's second stream.
 
 Choice: "grouped" (weights widened to 16 bits in registers against the bf16 activations, the stock
 numerics). Replaces the stock `MoE` module, shared expert included; the output is this rank's share

@@ -2,7 +2,9 @@
 one program): router logits (split-K), top-k (a program per token), grouping by expert (one program),
 grouped gate|up with the clamped SwiGLU, grouped down with the routing weight, and the per-token combine.
 Each expert's weights are read once per step for all the rows routed to it; the shared expert is one more
-expert that every valid token routes to with weight 1.
+expert that every valid token routes to with weight 1. With `MoePlan.shared_side` the shared expert runs in
+two launches of its own first, on a second stream where the caller gives one (a branch of a captured graph),
+beside the routing; the routed launches skip its slot and the combine waits for it.
 
 Every launch has a static grid (sized for the most experts a step can touch), reads its row counts
 from the device and needs no host sync, so the whole layer is CUDA-graph safe after one eager call
@@ -142,7 +144,7 @@ class MoePlan:
     the routing, on the caller's second stream where it gives one (a branch of a captured graph): its bytes
     stream beside the routing's latency-bound launches; the routed launches skip its slot. Steps of at most
     block_m tokens."""
-    side_block_n: int = 16
+    side_block_n: int = 32
     """Columns a program of the shared expert's own gate|up launch (its down takes twice as many)."""
 
     def describe(self) -> str:
@@ -179,10 +181,14 @@ def plan_moe(tokens: int, hidden: int, device: torch.device, **overrides) -> Moe
         # 102.8 against 104.9 us, the step 2.188 against 2.205 ms; from 4 tokens on they lose (the stage +5 us
         # at 4 and 8, +34 at 32; the step +35 / +209 us at 8 / 64: the early programs hold SM slots). H100,
         # 2026-12-07, bench/results/2026-12-07-h100-moe-pdl-s43.json, -profile-s43.json, -profile-2077be2-s43.json.
+        # The shared expert on a second stream beside the routing at 2-4 tokens, 32 columns a program (64 down):
+        # 166.9-168.7 against 177.4-177.8 us at two tokens, 291.9-292.1 against 295.0-295.2 at four; at one
+        # token it loses (107-111 against 102.7: the launches before it no longer overlap), at 8 and 16 it is
+        # noise. H100, 2026-12-07, bench/results/2026-12-07-h100-moe-side-s45{,-2}.json.
         gate_up_n = {1: 128, 2: 32}.get(tokens, 64)
         plan = MoePlan(block_t, 16, -(-hidden // 128), 128, 16, gate_up_n, 64, 128, 4, 3 if tokens == 1 else 4, 1024,
                        half=True, router_rows=True, router_warps=8, down_stages=4, topk_group=tokens == 1,
-                       pdl=tokens == 1)
+                       pdl=tokens == 1, shared_side=2 <= tokens <= 4)
     else:  # fp16 products: 5-10 % faster than bf16 at 1-64 tokens on the H100 (e4m3 widens to fp16 natively);
         # 64 experts a router program: 9 us a layer faster than 32 at 1 and 8 tokens (H100, 2026-12-06)
         k_split = max(64, hidden // 16)
