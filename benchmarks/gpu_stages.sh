@@ -20,6 +20,7 @@
 # KDA and DSA stages at 1-64 tokens against their floors, stock and peers, the planned step's profile at 8K.
 # PART=19: the MoE's shared expert on a second stream beside the routing (its GPU tests and the executor's, the
 # stage's plan variants, the step against the package of commit $BASE).
+# PART=20: PART=18 and 19 in one call (the stage tests, the three stages at 1-64 tokens, the step against $BASE).
 # PART=15: the DSA selection alone (dsa_select.py) and the DSA stage, here and on the package of commit $BASE
 # unpacked in benchmarks/.b/$BASE (as PART=9 says), with the selection's GPU tests.
 # A fresh machine compiles every kernel first: the first part run there needs the longest limits. Logs
@@ -139,6 +140,18 @@ run moe-side ${MOE_LIMIT:-120} python benchmarks/moe_stage.py --no-peer --tokens
 run profile 150 python benchmarks/profile_step.py --tokens 1,2,4,8 --out "$OUT/profile.json"
 (cd "benchmarks/.b/$BASE" && cp ../../profile_step.py . && PYTHONPATH=.:/tmp/site run "profile-$BASE" 150 python \
   profile_step.py --tokens 1,2,4,8 --out "$OUT/profile-$BASE.json")
+elif [ "${PART:-1}" = 20 ]; then
+# PART=18 and PART=19 in one call of under 10 minutes (a GPU kind the plans were not measured on).
+run stage-tests 170 python -m pytest -q -m gpu -rfE --tb=short tests/test_kernels_kda.py tests/test_kernels_moe.py \
+  tests/test_kernels_dsa.py
+run moe-stage 110 python benchmarks/moe_stage.py --tokens 1,2,4,8,16,32,64 --variants --fields shared_side \
+  --out "$OUT/moe-stage.json"
+run kda-stage 45 python benchmarks/kda_stage.py --tokens 1,2,4,8,16,32,64 --verify 16x4 --out "$OUT/kda-stage.json"
+run dsa-stage 75 python benchmarks/dsa_stage.py --contexts 8192,131072 --tokens 1,2,4,8,16,32,64 --verify "" \
+  --out "$OUT/dsa-stage.json"
+run profile 90 python benchmarks/profile_step.py --tokens 1,2,8,64 --out "$OUT/profile.json"
+(cd "benchmarks/.b/$BASE" && cp ../../profile_step.py . && PYTHONPATH=.:/tmp/site run "profile-$BASE" 80 python \
+  profile_step.py --tokens 1,2,8,64 --out "$OUT/profile-$BASE.json")
 elif [ "${PART:-1}" = 5 ]; then
 run e2e 540 python -m glm5next.bench.cli --mode specialized --tokens 1,4,16,64 --concurrency 1,4,16,64 \
   --skip-eager --skip-graph --mixed-budgets 512,2048,8192 --out "$OUT/e2e.json"
