@@ -145,9 +145,9 @@ def test_the_shipped_h200_policy_covers_every_captured_size():
     # Any other Hopper GPU runs the default table.
     default = Policy.for_gpu("NVIDIA H800", (9, 0))
     assert default.source == "glm5next/specialized_decode/policies/sm90.json" and default.tables == policy.tables
-    # The H100's own table (the MoE and KDA stages measured on it) over the default.
+    # The H100's own table (the MoE, KDA and DSA stages measured on it) over the default.
     h100 = Policy.for_gpu("NVIDIA H100 80GB HBM3", (9, 0))
-    assert h100.tables["moe"] == {1: "grouped", 8: "grouped", 64: "grouped"} and h100("moe", 4) == "grouped"
+    assert h100.tables["moe"] == {m: "grouped" for m in (1, 2, 4, 8, 16, 32, 64)} and h100("moe", 24) == "grouped"
     assert h100.tables["boundary"] == policy.tables["boundary"]
     for stage in STAGES:
         # Every captured size was measured (a measured "stock" is an entry too)...
