@@ -65,20 +65,31 @@ def _prefetch_shared(w_ptr, shared_off, n, N, K):
 
 
 @triton.jit
+def gate_up_tiles(wg_ptr, wu_ptr, sg_ptr, su_ptr, wg_off, wu_off, sg_off, su_off, n, nmask, k, kmask, k0, K,
+                  HAS_SCALE: tl.constexpr):
+    """An expert's gate and up weight tiles [len(n), len(k)] at rows n and columns k (from k0) and their block
+    scales (1.0 for unscaled weights)."""
+    wmask = nmask[:, None] & kmask[None, :]
+    wg = tl.load(wg_ptr + wg_off + n[:, None] * K + k[None, :], mask=wmask, other=0.0)
+    wu = tl.load(wu_ptr + wu_off + n[:, None] * K + k[None, :], mask=wmask, other=0.0)
+    if HAS_SCALE:
+        sg = tl.load(sg_ptr + sg_off + k0 // 128)
+        su = tl.load(su_ptr + su_off + k0 // 128)
+    else:
+        sg = 1.0
+        su = 1.0
+    return wg, wu, sg, su
+
+
+@triton.jit
 def _gate_up_block(x_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr, e, p, rmask, pid_n,
                    shared_wg, shared_wu, shared_sg, shared_su, T, N, K, stride_x, limit,
                    TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, F32: tl.constexpr, HALF: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """h[p, n] of expert e (-1: the shared one) for one block of rows p [BLOCK_M] (under rmask) and the
     program's BLOCK_N columns (see `gate_up_kernel`)."""
-    ks = tl.cdiv(K, 128)
-    wg_off = _offset(e, N * K, shared_wg)
-    wu_off = _offset(e, N * K, shared_wu)
-    s_row = (pid_n * BLOCK_N // 128) * ks
-    sg_off = _offset(e, tl.cdiv(N, 128) * ks, shared_sg) + s_row
-    su_off = _offset(e, tl.cdiv(N, 128) * ks, shared_su) + s_row
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < N
+    wg_off, sg_off, n, nmask = expert_columns(e, pid_n, shared_wg, shared_sg, N, K, BLOCK_N)
+    wu_off, su_off, n, nmask = expert_columns(e, pid_n, shared_wu, shared_su, N, K, BLOCK_N)
     tok = tl.where(p >= T * TOP_K, p - T * TOP_K, p // TOP_K)
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -86,15 +97,8 @@ def _gate_up_block(x_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr, e, p, rmask, pi
         k = k0 + tl.arange(0, BLOCK_K)
         kmask = k < K
         x = tl.load(x_ptr + tok[:, None] * stride_x + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        wmask = nmask[:, None] & kmask[None, :]
-        wg = tl.load(wg_ptr + wg_off + n[:, None] * K + k[None, :], mask=wmask, other=0.0)
-        wu = tl.load(wu_ptr + wu_off + n[:, None] * K + k[None, :], mask=wmask, other=0.0)
-        if HAS_SCALE:
-            sg = tl.load(sg_ptr + sg_off + k0 // 128)
-            su = tl.load(su_ptr + su_off + k0 // 128)
-        else:
-            sg = 1.0
-            su = 1.0
+        wg, wu, sg, su = gate_up_tiles(wg_ptr, wu_ptr, sg_ptr, su_ptr, wg_off, wu_off, sg_off, su_off, n, nmask, k,
+                                       kmask, k0, K, HAS_SCALE)
         acc_g += _product(x, wg, sg, F32, HALF)
         acc_u += _product(x, wu, su, F32, HALF)
     h = _swiglu(acc_g, acc_u, limit)
@@ -137,26 +141,40 @@ def gate_up_kernel(x_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr,
 
 
 @triton.jit
+def expert_columns(e, pid_n, shared_w, shared_s, N, K, BLOCK_N: tl.constexpr):
+    """Expert e's weight and scale offsets of one matrix (from the stacked bases; the shared expert's at
+    `shared_w` / `shared_s`) for column block pid_n, its columns n and their mask."""
+    ks = tl.cdiv(K, 128)
+    w_off = _offset(e, N * K, shared_w)
+    s_off = _offset(e, tl.cdiv(N, 128) * ks, shared_s) + (pid_n * BLOCK_N // 128) * ks
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return w_off, s_off, n, n < N
+
+
+@triton.jit
+def down_tile(w_ptr, s_ptr, w_off, s_off, n, nmask, k, kmask, k0, K, HAS_SCALE: tl.constexpr):
+    """An expert's down weight tile [len(n), len(k)] at rows n and columns k (from k0) and its block scale."""
+    w = tl.load(w_ptr + w_off + n[:, None] * K + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+    if HAS_SCALE:
+        s = tl.load(s_ptr + s_off + k0 // 128)
+    else:
+        s = 1.0
+    return w, s
+
+
+@triton.jit
 def _down_block(h_ptr, w_ptr, s_ptr, weights_ptr, y_ptr, e, p, rmask, pid_n, shared_w, shared_s, T, N, K,
                 TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, F32: tl.constexpr, HALF: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """y[p, n] of expert e (-1: the shared one) for one block of rows p [BLOCK_M] (under rmask) and the
     program's BLOCK_N columns (see `down_kernel`)."""
-    ks = tl.cdiv(K, 128)
-    w_off = _offset(e, N * K, shared_w)
-    s_off = _offset(e, tl.cdiv(N, 128) * ks, shared_s) + (pid_n * BLOCK_N // 128) * ks
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < N
+    w_off, s_off, n, nmask = expert_columns(e, pid_n, shared_w, shared_s, N, K, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         kmask = k < K
         h = tl.load(h_ptr + p[:, None] * K + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        w = tl.load(w_ptr + w_off + n[:, None] * K + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-        if HAS_SCALE:
-            s = tl.load(s_ptr + s_off + k0 // 128)
-        else:
-            s = 1.0
+        w, s = down_tile(w_ptr, s_ptr, w_off, s_off, n, nmask, k, kmask, k0, K, HAS_SCALE)
         acc += _product(h, w, s, F32, HALF)
     routed = p < T * TOP_K
     wt = tl.load(weights_ptr + p, mask=rmask & routed, other=1.0)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .experts import _offset, _swiglu
+from .experts import _swiglu, down_tile, expert_columns, gate_up_tiles
 
 
 @triton.jit
@@ -57,29 +57,16 @@ def gate_up_rows_kernel(x_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr,
         return
     e, p, rmask = _tile(slot_expert_ptr, slot_start_ptr, slot_count_ptr, rows_ptr, slot, BLOCK_M)
     tok = tl.where(p >= T * TOP_K, p - T * TOP_K, p // TOP_K)
-    ks = tl.cdiv(K, 128)
-    wg_off = _offset(e, N * K, shared_wg)
-    wu_off = _offset(e, N * K, shared_wu)
-    s_row = (pid_n * BLOCK_N // 128) * ks
-    sg_off = _offset(e, tl.cdiv(N, 128) * ks, shared_sg) + s_row
-    su_off = _offset(e, tl.cdiv(N, 128) * ks, shared_su) + s_row
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < N
+    wg_off, sg_off, n, nmask = expert_columns(e, pid_n, shared_wg, shared_sg, N, K, BLOCK_N)
+    wu_off, su_off, n, nmask = expert_columns(e, pid_n, shared_wu, shared_su, N, K, BLOCK_N)
     acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         kmask = k < K
         xt = tl.load(x_ptr + tok[None, :] * stride_x + k[:, None], mask=kmask[:, None] & rmask[None, :], other=0.0)
-        wmask = nmask[:, None] & kmask[None, :]
-        wg = tl.load(wg_ptr + wg_off + n[:, None] * K + k[None, :], mask=wmask, other=0.0)
-        wu = tl.load(wu_ptr + wu_off + n[:, None] * K + k[None, :], mask=wmask, other=0.0)
-        if HAS_SCALE:
-            sg = tl.load(sg_ptr + sg_off + k0 // 128)
-            su = tl.load(su_ptr + su_off + k0 // 128)
-        else:
-            sg = 1.0
-            su = 1.0
+        wg, wu, sg, su = gate_up_tiles(wg_ptr, wu_ptr, sg_ptr, su_ptr, wg_off, wu_off, sg_off, su_off, n, nmask, k,
+                                       kmask, k0, K, HAS_SCALE)
         acc_g += _wx(wg, xt, sg, F32, HALF)
         acc_u += _wx(wu, xt, su, F32, HALF)
     h = _swiglu(acc_g, acc_u, limit)
@@ -99,21 +86,13 @@ def down_rows_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, y_ptr,
     if slot >= tl.load(n_slots_ptr):
         return
     e, p, rmask = _tile(slot_expert_ptr, slot_start_ptr, slot_count_ptr, rows_ptr, slot, BLOCK_M)
-    ks = tl.cdiv(K, 128)
-    w_off = _offset(e, N * K, shared_w)
-    s_off = _offset(e, tl.cdiv(N, 128) * ks, shared_s) + (pid_n * BLOCK_N // 128) * ks
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < N
+    w_off, s_off, n, nmask = expert_columns(e, pid_n, shared_w, shared_s, N, K, BLOCK_N)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         kmask = k < K
         ht = tl.load(h_ptr + p[None, :] * K + k[:, None], mask=kmask[:, None] & rmask[None, :], other=0.0)
-        w = tl.load(w_ptr + w_off + n[:, None] * K + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-        if HAS_SCALE:
-            s = tl.load(s_ptr + s_off + k0 // 128)
-        else:
-            s = 1.0
+        w, s = down_tile(w_ptr, s_ptr, w_off, s_off, n, nmask, k, kmask, k0, K, HAS_SCALE)
         acc += _wx(w, ht, s, F32, HALF)
     wt = tl.load(weights_ptr + p, mask=rmask & (p < T * TOP_K), other=1.0)
     tl.store(y_ptr + p[None, :] * N + n[:, None], acc * wt[None, :], mask=nmask[:, None] & rmask[None, :])
