@@ -10,10 +10,8 @@ layer over `--rotate` different inputs so routing varies between calls. Accuracy
 stock module's bf16 outputs against the fp32 reference, relative to its largest value.
 
     python benchmarks/moe_stage.py [--tokens 1,2,4,8,16,32,64] [--variants] [--profile] [--out moe.json]
-    python benchmarks/moe_stage.py --table-from moe.json --policy FILE   # the measured `moe` table into FILE
 
-The table: "grouped" at every token count where the stage beat the stock module in that run, "stock"
-elsewhere.
+`benchmarks/stage_tables.py --moe moe.json --policy FILE` writes the run's `moe` table into a policy file.
 """
 
 from __future__ import annotations
@@ -95,24 +93,6 @@ class GroupedMmPeer:
         return out.to(x.dtype) + self.moe.shared_experts(x)
 
 
-def write_table(result_path: str, policy_path: str) -> None:
-    """Merge the `moe` table that the run in `result_path` measured into the policy file `policy_path`."""
-    with open(result_path) as f:
-        result = json.load(f)
-    try:
-        with open(policy_path) as f:
-            doc = json.load(f)
-    except FileNotFoundError:
-        doc = {"tables": {}}
-    doc["tables"]["moe"] = {str(r["tokens"]): "grouped" if r["stage_us"] < r["stock_us"] else "stock"
-                            for r in result["rows"]}
-    doc.setdefault("moe_measured", {})[result["gpu"]] = (
-        f"{result['date']}, benchmarks/moe_stage.py: stage vs stock module per token count")
-    with open(policy_path, "w") as f:
-        json.dump(doc, f, indent=1)
-        f.write("\n")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64")
@@ -126,12 +106,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--small", action="store_true", help="the slice's small widths (a dry run of this script)")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--table-from", default=None, help="a result JSON of this script: write its table, measure nothing")
-    ap.add_argument("--policy", default=None, help="the policy file --table-from writes into")
     args = ap.parse_args()
-    if args.table_from:
-        write_table(args.table_from, args.policy)
-        return
     dev = torch.device(args.device)
     tokens = [int(t) for t in args.tokens.split(",")]
     config = slice_config(num_layers=4, small=args.small)  # layer 3 is the first MoE layer
