@@ -16,11 +16,10 @@
 # PART=11: the MoE launches as programmatic dependents (GPU tests, the stage with and without, the step
 # profile against the package of commit $BASE unpacked in benchmarks/.b/$BASE as PART=9 says), the KDA stage.
 # PART=12: the engine's startup warm-up (engine_steps.py: its time and kernel variants, then the requests' steps).
-# PART=18: the three stages on this GPU (a GPU kind the plans were not measured on): their GPU tests, the MoE,
-# KDA and DSA stages at 1-64 tokens against their floors, stock and peers, the planned step's profile at 8K.
 # PART=19: the MoE's shared expert on a second stream beside the routing (its GPU tests and the executor's, the
 # stage's plan variants, the step against the package of commit $BASE).
-# PART=20: PART=18 and 19 in one call (the stage tests, the three stages at 1-64 tokens, the step against $BASE).
+# PART=20: the three stages on a GPU (a kind the plans were not measured on, e.g.): their GPU tests, the MoE, KDA
+# and DSA stages at 1-64 tokens against their floors, stock and peers, the step against the package of $BASE.
 # PART=15: the DSA selection alone (dsa_select.py) and the DSA stage, here and on the package of commit $BASE
 # unpacked in benchmarks/.b/$BASE (as PART=9 says), with the selection's GPU tests.
 # A fresh machine compiles every kernel first: the first part run there needs the longest limits. Logs
@@ -123,14 +122,6 @@ run dsa-stage 100 python benchmarks/dsa_stage.py --contexts 8192,131072 --tokens
   --out "$OUT/dsa-stage.json"
 PYTHONPATH=benchmarks/.b/$BASE:${PYTHONPATH#.:} run "dsa-stage-$BASE" 100 python benchmarks/dsa_stage.py \
   --contexts 8192,131072 --tokens 1,2,8,16,64 --verify "" --no-stock --out "$OUT/dsa-stage-$BASE.json"
-elif [ "${PART:-1}" = 18 ]; then
-run stage-tests 200 python -m pytest -q -m gpu -rfE --tb=short tests/test_kernels_kda.py tests/test_kernels_moe.py \
-  tests/test_kernels_dsa.py
-run moe-stage 130 python benchmarks/moe_stage.py --tokens 1,2,4,8,16,32,64 --out "$OUT/moe-stage.json"
-run kda-stage 60 python benchmarks/kda_stage.py --tokens 1,2,4,8,16,32,64 --verify 2x4,16x4 --out "$OUT/kda-stage.json"
-run dsa-stage 100 python benchmarks/dsa_stage.py --contexts 8192,131072 --tokens 1,2,4,8,16,32,64 --verify 16x4 \
-  --out "$OUT/dsa-stage.json"
-run profile 100 python benchmarks/profile_step.py --tokens 1,8,64 --out "$OUT/profile.json"
 elif [ "${PART:-1}" = 19 ]; then
 # The MoE's shared expert beside the routing in the step: its GPU tests, the executor's, the stage's plan variants,
 # and the step's profile here and on the package of commit $BASE unpacked in benchmarks/.b/$BASE (as PART=9 says).
@@ -141,7 +132,6 @@ run profile 150 python benchmarks/profile_step.py --tokens 1,2,4,8 --out "$OUT/p
 (cd "benchmarks/.b/$BASE" && cp ../../profile_step.py . && PYTHONPATH=.:/tmp/site run "profile-$BASE" 150 python \
   profile_step.py --tokens 1,2,4,8 --out "$OUT/profile-$BASE.json")
 elif [ "${PART:-1}" = 20 ]; then
-# PART=18 and PART=19 in one call of under 10 minutes (a GPU kind the plans were not measured on).
 run stage-tests 170 python -m pytest -q -m gpu -rfE --tb=short tests/test_kernels_kda.py tests/test_kernels_moe.py \
   tests/test_kernels_dsa.py
 run moe-stage 110 python benchmarks/moe_stage.py --tokens 1,2,4,8,16,32,64 --variants --fields shared_side \

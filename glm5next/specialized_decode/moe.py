@@ -53,7 +53,10 @@ class MoeStage:
         if x.shape[0] > MAX_TOKENS:
             raise ValueError(f"the MoE stage runs steps of at most {MAX_TOKENS} tokens, got {x.shape[0]}")
         plan = self.plan(x.shape[0])
-        if plan.shared_side and x.is_cuda and self._side is None:
-            self._side = torch.cuda.Stream(x.device)
+        side = None
+        if plan.shared_side and x.is_cuda:
+            if self._side is None:
+                self._side = torch.cuda.Stream(x.device)
+            side = self._side
         return moe_forward(x, self.weights, self.top_k, self.scale, self.norm, ROUTER_NORM_EPS, self.limit, plan,
-                           slots, side=self._side if plan.shared_side and x.is_cuda else None)
+                           slots, side=side)

@@ -17,6 +17,7 @@ the same combine: `moe_prefill`.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -379,9 +380,7 @@ def moe_forward(x: torch.Tensor, w: ExpertWeights, top_k: int, scale: float, nor
     shared = _expert_buffers(x, top_k, w, plan)  # on this stream, which frees them after the join
     if side is not None:
         side.wait_stream(torch.cuda.current_stream(x.device))
-        with torch.cuda.stream(side):
-            shared_expert_beside(x, w, top_k, limit, plan, slots, *shared)
-    else:
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
         shared_expert_beside(x, w, top_k, limit, plan, slots, *shared)
     r = route(x, w, top_k, scale, norm, eps, plan, slots)
     return experts_forward(x, w, r, limit, plan, slots, out, shared, side)
