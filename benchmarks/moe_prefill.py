@@ -39,7 +39,8 @@ PLANS = {  # name: PrefillPlan(block_m, block_n, down_block_n, block_k, warps, s
 }
 """Measured before (H100, 2026-12-06, `-moe-prefill-s37*.json`): 128 x 128 tiles, BLOCK_K 64, 32-row tiles and
 bf16 products all slower; here the shipped plan's neighbours and 128-row tiles with 64 columns (whose two
-fp32 accumulators fit the registers)."""
+fp32 accumulators fit the registers). s46: 64 x 64 with 8 warps (BLOCK_K 64 or 128) and the weights times
+their block scales before the products lost too (docs/decisions.md)."""
 BEFORE = MoePlan(MAX_TOKENS, 32, 1, 64, 64, 64, 128, 128, 8, 3, 1024)
 """The decode kernels' plan prefill ran on before (row tiles of 64, bf16 products)."""
 
