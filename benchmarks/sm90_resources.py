@@ -3,9 +3,11 @@ machine without a GPU: Triton compiles to a cubin with the ptxas it ships, and i
 resource usage. A prediction before device time is spent (a kernel that spills at a plan is slow there),
 and a check that a change compiles for the GPU at all (the interpreter runs code the compiler refuses).
 
-    python benchmarks/sm90_resources.py [--only moe|kda] [--ptx-hash]
+    python benchmarks/sm90_resources.py [--only moe|kda] [--ptx-hash] [--no-specialise]
 
---ptx-hash prints a hash of each kernel's PTX without its debug lines: equal hashes before and after a
+Each kernel is compiled as a launch at the real shapes specialises it (every pointer and the integers of
+`DIV16` divisible by 16): without that, registers and spills come out far from what the GPU runs (the KDA
+decode kernel: 920 bytes of spills against none, s46). --ptx-hash prints a hash of each kernel's PTX without its debug lines: equal hashes before and after a
 refactor mean the GPU runs the same instructions.
 """
 
@@ -28,6 +30,10 @@ from glm5next.kernels.moe import experts, prefill
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "cuobjdump")
 FLOATS = {"limit", "lower_bound", "eps", "scale", "l2_eps"}
+DIV16 = {"N", "K", "H", "stride_x", "sq", "sk", "sv", "sf", "sg", "sb", "s_win", "s_vq", "shared_wg", "shared_wu",
+         "shared_sg", "shared_su", "shared_w", "shared_s"}
+"""Integer arguments that are multiples of 16 at the real shapes: a launch specialises them (and every pointer,
+16-byte aligned) as divisible by 16, which changes vector widths and so registers; the compile here does too."""
 
 
 def signature(fn, pointers: dict[str, str], consts: dict) -> dict[str, str]:
@@ -35,6 +41,14 @@ def signature(fn, pointers: dict[str, str], consts: dict) -> dict[str, str]:
     return {a: "constexpr" if a in consts else pointers.get(a, "*i32" if a.endswith("_ptr") else
                                                               "fp32" if a in FLOATS else "i32")
             for a in fn.arg_names}
+
+
+def attributes(fn, pointers: dict[str, str], consts: dict) -> dict:
+    """The divisibility a real launch gives: every pointer argument and the integers of `DIV16`."""
+    div = triton.compiler.make_backend(TARGET).parse_attr("D")
+    sig = signature(fn, pointers, consts)
+    return {(i,): div for i, a in enumerate(fn.arg_names)
+            if a not in consts and (sig[a].startswith("*") or (a in DIV16 and sig[a] == "i32"))}
 
 
 def cases() -> list[tuple[str, str, object, dict, dict, int, int]]:
@@ -81,13 +95,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", choices=("moe", "kda"), default=None)
     ap.add_argument("--ptx-hash", action="store_true")
+    ap.add_argument("--no-specialise", dest="specialise", action="store_false",
+                    help="compile without the launch's divisibility (as before s46)")
     args = ap.parse_args()
     for group, name, fn, pointers, consts, warps, stages in cases():
         if args.only and group != args.only:
             continue
         try:
-            k = triton.compile(ASTSource(fn=fn, signature=signature(fn, pointers, consts), constexprs=consts),
-                               target=TARGET, options={"num_warps": warps, "num_stages": stages})
+            src = ASTSource(fn=fn, signature=signature(fn, pointers, consts), constexprs=consts,
+                            attrs=attributes(fn, pointers, consts) if args.specialise else None)
+            k = triton.compile(src, target=TARGET, options={"num_warps": warps, "num_stages": stages})
         except Exception as e:  # noqa: BLE001 - a plan the compiler refuses is the finding
             print(f"{group:4} {name:44} does not compile: {type(e).__name__}: {str(e).splitlines()[-1][:120]}")
             continue
