@@ -26,8 +26,7 @@ import triton.language as tl
 
 from glm5next.kernels import pdl as _pdl
 from glm5next.kernels.moe import ExpertWeights, MoePlan, _expert_buffers, _half, route
-from glm5next.kernels.moe.experts import (_down_block, _gate_up_block, _prefetch_shared, combine_kernel,
-                                          expert_columns)
+from glm5next.kernels.moe.experts import _prefetch_shared, combine_kernel, down_slot, expert_columns, gate_up_slot
 from glm5next.kernels.pdl import launch_dependents, prefetch_l2, wait_previous
 
 
@@ -49,16 +48,9 @@ def gate_up_kernel(x_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr, slot_expert_ptr
         launch_dependents()  # the routing is complete: down may read it before its own wait
     if slot >= tl.load(n_slots_ptr):
         return
-    e = tl.load(slot_expert_ptr + slot)
-    start = tl.load(slot_start_ptr + slot)
-    count = tl.load(slot_count_ptr + slot)
-    for m0 in range(0, count, BLOCK_M):
-        r = m0 + tl.arange(0, BLOCK_M)
-        rmask = r < count
-        p = tl.load(rows_ptr + start + r, mask=rmask, other=0)
-        _gate_up_block(x_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr, e, p, rmask, pid_n,
-                       shared_wg, shared_wu, shared_sg, shared_su, T, N, K, stride_x, limit,
-                       TOP_K, HAS_SCALE, F32, HALF, BLOCK_M, BLOCK_N, BLOCK_K)
+    gate_up_slot(x_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr, slot_expert_ptr, slot_start_ptr, slot_count_ptr,
+                 rows_ptr, slot, pid_n, shared_wg, shared_wu, shared_sg, shared_su, T, N, K, stride_x, limit,
+                 TOP_K, HAS_SCALE, F32, HALF, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -80,15 +72,8 @@ def down_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, y_ptr, slot_expert_ptr, slot_s
         wait_previous()
     if slot >= n_slots:
         return
-    e = tl.load(slot_expert_ptr + slot)
-    start = tl.load(slot_start_ptr + slot)
-    count = tl.load(slot_count_ptr + slot)
-    for m0 in range(0, count, BLOCK_M):
-        r = m0 + tl.arange(0, BLOCK_M)
-        rmask = r < count
-        p = tl.load(rows_ptr + start + r, mask=rmask, other=0)
-        _down_block(h_ptr, w_ptr, s_ptr, weights_ptr, y_ptr, e, p, rmask, pid_n, shared_w, shared_s, T, N, K,
-                    TOP_K, HAS_SCALE, F32, HALF, BLOCK_M, BLOCK_N, BLOCK_K)
+    down_slot(h_ptr, w_ptr, s_ptr, weights_ptr, y_ptr, slot_expert_ptr, slot_start_ptr, slot_count_ptr, rows_ptr,
+              slot, pid_n, shared_w, shared_s, T, N, K, TOP_K, HAS_SCALE, F32, HALF, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 def moe_early_down(x: torch.Tensor, w: ExpertWeights, top_k: int, scale: float, norm: bool, eps: float,
