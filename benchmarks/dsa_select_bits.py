@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from glm5next.kernels.dsa import DsaPlan, select_levels
-from glm5next.kernels.dsa.indexer import _visible_pools
+from glm5next.kernels.dsa import DsaPlan, select_pools
+from glm5next.kernels.dsa.indexer import select_entries, select_store
 
 
 @triton.jit
@@ -56,52 +56,16 @@ def select_bits_kernel(
     """`select_pools_kernel` with `_top_bits` (same arguments, same outputs)."""
     t = tl.program_id(0)
     c = tl.program_id(1)
-    i = c * BLOCK + tl.arange(0, BLOCK)
-    if FROM_SCORES:
-        ok = i < _visible_pools(pos_ptr, slot_ptr, t, n_src, KP)
-        s = tl.load(src_ptr + t * s_src + i, mask=ok, other=0.0) + 0.0  # -0.0 reads as +0.0
-        bits = s.to(tl.int32, bitcast=True)
-        ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # signed order of the scores
-        pool = i
-    else:
-        pool = tl.load(src_ptr + t * s_src + i, mask=i < n_src, other=-1)
-        ok = pool >= 0
-        ordered = tl.load(src_key_ptr + t * s_src + i, mask=ok, other=0)
-    key = (ordered ^ -2147483648).to(tl.uint32, bitcast=True)  # larger score, larger key (unsigned)
+    pool, ok, ordered, key = select_entries(src_ptr, src_key_ptr, pos_ptr, slot_ptr, s_src, n_src, t, c, KP, BLOCK,
+                                            FROM_SCORES)
     take, at, kept = _top_bits(key, ok, K)
-    if FINAL:
-        row = dst_ptr + t * s_dst
-        tl.store(row + at, pool.to(tl.int64), mask=take)
-        j = tl.arange(0, KB)
-        tl.store(row + j, tl.full([KB], -1, tl.int64), mask=(j >= kept) & (j < K))
-        tl.store(count_ptr + t, kept)
-    else:
-        at = at + (t * s_dst + c * W)
-        tl.store(dst_ptr + at, pool.to(tl.int32), mask=take)
-        tl.store(dst_key_ptr + at, ordered, mask=take)
-        j = tl.arange(0, WB)
-        tl.store(dst_ptr + t * s_dst + c * W + j, tl.full([WB], -1, tl.int32), mask=(j >= kept) & (j < W))
+    select_store(dst_ptr, dst_key_ptr, count_ptr, s_dst, t, c, pool, ordered, take, at, kept, K, W, WB, KB, FINAL)
 
 
 def select_bits(scores: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kpool: int, k: int,
                 plan: DsaPlan, out: torch.Tensor, count: torch.Tensor) -> None:
     """`select_pools` (the same levels and chunks) on `select_bits_kernel`, into out [T, k] and count [T]."""
-    t, _ = scores.shape
-    src, src_key, s_src = scores, scores, scores.stride(0)
-    levels = select_levels(scores.shape[1], k, plan.select_chunk)
-    for level, (n, chunks, block) in enumerate(levels):
-        final = level == len(levels) - 1
-        w = min(block, k)
-        if final:
-            dst, dst_key, s_dst = out, out, out.stride(0)
-        else:
-            cand = torch.empty(2, t, chunks * w, dtype=torch.int32, device=scores.device)
-            dst, dst_key, s_dst = cand[0], cand[1], chunks * w
-        select_bits_kernel[(t, chunks)](
-            src, src_key, positions, slots, dst, dst_key, count, s_src, s_dst, n, K=k, KP=kpool, BLOCK=block, W=w,
-            WB=triton.next_power_of_2(w), KB=triton.next_power_of_2(k), FROM_SCORES=level == 0, FINAL=final,
-            num_warps=plan.select_warps)
-        src, src_key, s_src = dst, dst_key, s_dst
+    select_pools(scores, positions, slots, kpool, k, plan, out=out, count=count, kernel=select_bits_kernel)
 
 
 def main() -> None:
