@@ -5,7 +5,7 @@
 #     OUT=DIR bash benchmarks/ncu_kernels.sh
 set -u
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -n 1 || ls /usr/local/cuda/bin/ncu)
+ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -n 1)
 profile() {  # name, kernel regex, launches to skip, launches to profile, command...
   local name=$1 regex=$2 skip=$3 count=$4; shift 4
   timeout 240 "$ncu" --clock-control none --set full -k "regex:$regex" --launch-skip "$skip" --launch-count "$count" \
