@@ -3,7 +3,7 @@ its launches in a CUDA graph at block tables of 8K and 128K tokens of context, 1
 token seeing every pool of its table, for the plan's chunk and warps and their neighbours. Each variant's
 selection is checked against the stock `top_pools` order (`select_pools_reference`) on the same scores.
 
-    python benchmarks/dsa_select.py [--pools 2052,32772] [--tokens 1,8,64] [--bits] [--out dsa-select.json]
+    python benchmarks/dsa_select.py [--pools 2052,32772] [--tokens 1,8,64] [--out dsa-select.json]
 
 Run it on two packages (PYTHONPATH) in one device call to compare kernels; times are medians of 50 replays
 of a graph holding `ROTATE` calls on different score rows (so the scores come from HBM, not L2).
@@ -22,7 +22,6 @@ import torch
 import glm5next
 from glm5next.bench.floor import capture, time_replays
 from glm5next.kernels.dsa import plan_dsa, select_pools, select_pools_reference
-from dsa_select_bits import select_bits
 
 KPOOL, TOPK, HEADS = 4, 512, 64
 ROTATE = 8
@@ -34,8 +33,6 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,8,64")
     ap.add_argument("--variants", default="select_warps=4;select_warps=8;select_warps=16;select_chunk=2048;"
                     "select_chunk=1024", help="plan overrides, ';' between variants")
-    ap.add_argument("--bits", action="store_true", help="also the experiment of dsa_select_bits.py (the threshold "
-                    "bit by bit) at the plan's chunk and warps")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -67,19 +64,6 @@ def main() -> None:
                 ms = statistics.median(time_replays(graph, 50, 5))
                 row["us"][variant] = round(ms * 1e3 / ROTATE, 2)
                 row["equal"][variant] = all(torch.equal(o, w) for o, w in zip(outs, want))
-            if args.bits:
-                plan = plan_dsa(t, HEADS, n_pools, TOPK, KPOOL, sms)
-                outs = [torch.full((t, TOPK), -2, dtype=torch.int64, device=dev) for _ in scores]
-                counts = [torch.empty(t, dtype=torch.int32, device=dev) for _ in scores]
-
-                def run_bits(plan=plan, outs=outs, counts=counts):
-                    for s, o, c in zip(scores, outs, counts):
-                        select_bits(s, positions, slots, KPOOL, TOPK, plan, o, c)
-
-                graph = capture(run_bits)
-                ms = statistics.median(time_replays(graph, 50, 5))
-                row["us"]["bits"] = round(ms * 1e3 / ROTATE, 2)
-                row["equal"]["bits"] = all(torch.equal(o, w) for o, w in zip(outs, want))
             result["rows"].append(row)
             print(f"pools {n_pools} tokens {t}: " + "  ".join(
                 f"{v} {us} us{'' if row['equal'][v] else ' (DIFFERS)'}" for v, us in row["us"].items()), flush=True)

@@ -20,7 +20,8 @@
 # stage's plan variants, the step against the package of commit $BASE).
 # PART=20: the three stages on a GPU (a kind the plans were not measured on, e.g.): their GPU tests, the MoE, KDA
 # and DSA stages at 1-64 tokens against their floors, stock and peers, the step against the package of $BASE.
-# PART=21: s46's experiments (moe_early_down.py, dsa_select_bits.py) against the shipped kernels.
+# PART=22: the three stages' tables alone (moe_stage / kda_stage / dsa_stage at 1-64 tokens with the stock module,
+# the input of stage_tables.py on a GPU kind without tables).
 # PART=15: the DSA selection alone (dsa_select.py) and the DSA stage, here and on the package of commit $BASE
 # unpacked in benchmarks/.b/$BASE (as PART=9 says), with the selection's GPU tests.
 # A fresh machine compiles every kernel first: the first part run there needs the longest limits. Logs
@@ -143,14 +144,11 @@ run dsa-stage 75 python benchmarks/dsa_stage.py --contexts 8192,131072 --tokens 
 run profile 90 python benchmarks/profile_step.py --tokens 1,2,8,64 --out "$OUT/profile.json"
 (cd "benchmarks/.b/$BASE" && cp ../../profile_step.py . && PYTHONPATH=.:/tmp/site run "profile-$BASE" 80 python \
   profile_step.py --tokens 1,2,8,64 --out "$OUT/profile-$BASE.json")
-elif [ "${PART:-1}" = 21 ]; then
-# s46's experiments against the shipped kernels in one process each, twice: down reading the routing and
-# prefetching its weights before it waits (moe_early_down.py), the selection's threshold bit by bit
-# (dsa_select_bits.py). Both check their bits against the shipped path.
-for i in 1 2; do
-  run moe-early-down-$i 70 python benchmarks/moe_stage.py --no-peer --tokens 1,8 --early-down --out "$OUT/moe-early-down-$i.json"
-  run dsa-select-bits-$i 60 python benchmarks/dsa_select.py --tokens 1,8,64 --variants "" --bits --out "$OUT/dsa-select-bits-$i.json"
-done
+elif [ "${PART:-1}" = 22 ]; then
+run moe-stage 120 python benchmarks/moe_stage.py --tokens 1,2,4,8,16,32,64 --out "$OUT/moe-stage.json"
+run kda-stage 60 python benchmarks/kda_stage.py --tokens 1,2,4,8,16,32,64 --verify 16x4 --out "$OUT/kda-stage.json"
+run dsa-stage 90 python benchmarks/dsa_stage.py --contexts 8192,131072 --tokens 1,2,4,8,16,32,64 --verify "" \
+  --out "$OUT/dsa-stage.json"
 elif [ "${PART:-1}" = 5 ]; then
 run e2e 540 python -m glm5next.bench.cli --mode specialized --tokens 1,4,16,64 --concurrency 1,4,16,64 \
   --skip-eager --skip-graph --mixed-budgets 512,2048,8192 --out "$OUT/e2e.json"

@@ -29,7 +29,6 @@ from glm5next.config import ROUTER_NORM_EPS
 from glm5next.kernels.moe import ExpertWeights, moe_forward, moe_reference, plan_moe, route
 from glm5next.model.mlp import clamped_swiglu
 from glm5next.checkpoint.fp8 import dequantize_fp8
-from moe_early_down import moe_early_down
 from profile_step import profile_graph
 
 VARIANTS = {
@@ -106,8 +105,6 @@ def main() -> None:
     ap.add_argument("--no-peer", action="store_true", help="skip the grouped_mm peer (14.5 GB of bf16 copies)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--small", action="store_true", help="the slice's small widths (a dry run of this script)")
-    ap.add_argument("--early-down", action="store_true", help="also the experiment of moe_early_down.py (down reads "
-                    "the routing and prefetches its weights before it waits), where the plan has no side launches")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
     dev = torch.device(args.device)
@@ -148,20 +145,6 @@ def main() -> None:
                "plan": plan.describe()}
         row["stage_us"] = median_us(stage, args.rotate)
         row["stage_bw_fraction"] = floor_us / row["stage_us"]
-        if args.early_down and not plan.shared_side:
-            early = [torch.full_like(x, float("nan")) for x in xs]
-
-            def early_stage():
-                for x, o in zip(xs, early):
-                    moe_early_down(x, w, top_k, scale, True, ROUTER_NORM_EPS, limit, plan, slots, out=o)
-
-            early_stage()
-            stage()
-            row["early_down_equal"] = all(torch.equal(a, b) for a, b in zip(early, outs))
-            row["early_down_us"] = median_us(early_stage, args.rotate)
-            row["stage_us_again"] = median_us(stage, args.rotate)  # the shipped plan once more, after it
-            log(f"M={m}: early down {row['early_down_us']:.1f} us against {row['stage_us']:.1f} / "
-                f"{row['stage_us_again']:.1f} (equal bits: {row['early_down_equal']})")
         if args.profile:
             graph = capture(stage)
             row["stage_kernels"] = {name: v["us"] / args.rotate

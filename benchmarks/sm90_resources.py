@@ -1,9 +1,9 @@
-"""Registers, spills and shared memory of the MoE and KDA decode kernels compiled for SM90 (Hopper) on a
+"""Registers, spills and shared memory of the MoE, KDA and DSA decode kernels compiled for SM90 (Hopper) on a
 machine without a GPU: Triton compiles to a cubin with the ptxas it ships, and its cuobjdump reads the
 resource usage. A prediction before device time is spent (a kernel that spills at a plan is slow there),
 and a check that a change compiles for the GPU at all (the interpreter runs code the compiler refuses).
 
-    python benchmarks/sm90_resources.py [--only moe|kda] [--ptx-hash] [--no-specialise]
+    python benchmarks/sm90_resources.py [--only moe|kda|dsa] [--ptx-hash] [--no-specialise]
 
 Each kernel is compiled as a launch at the real shapes specialises it (every pointer and the integers of
 `DIV16` divisible by 16): without that, registers and spills come out far from what the GPU runs (the KDA
@@ -24,6 +24,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from glm5next.kernels.dsa import attention as dsa_attention, indexer as dsa_indexer
 from glm5next.kernels.kda import kernel as kda
 from glm5next.kernels.moe import experts, prefill
 
@@ -31,7 +32,7 @@ TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "cuobjdump")
 FLOATS = {"limit", "lower_bound", "eps", "scale", "l2_eps"}
 DIV16 = {"N", "K", "H", "stride_x", "sq", "sk", "sv", "sf", "sg", "sb", "s_win", "s_vq", "shared_wg", "shared_wu",
-         "shared_sg", "shared_su", "shared_w", "shared_s"}
+         "shared_sg", "shared_su", "shared_w", "shared_s", "R", "s_sel", "s_tab", "s_src", "s_dst", "n_pools"}
 """Integer arguments that are multiples of 16 at the real shapes: a launch specialises them (and every pointer,
 16-byte aligned) as divisible by 16, which changes vector widths and so registers; the compile here does too."""
 
@@ -80,6 +81,15 @@ def cases() -> list[tuple[str, str, object, dict, dict, int, int]]:
         out.append(("kda", f"decode BLOCK_V {block_v} {warps} warps q {q}" + (" verify" if verify else ""),
                     kda.kda_decode_kernel, ptrs, dict(Q=q, K=128, V=128, KEEP=3, TAPS=4, BLOCK_V=block_v, VERIFY=verify),
                     warps, 3))
+    att = {n: "*i64" for n in ("sel_ptr", "pos_ptr", "slot_ptr", "seq_ptr")}
+    att.update(qlat_ptr="*bf16", lat_ptr="*bf16", count_ptr="*i32", tab_ptr="*i32", acc_ptr="*fp32", ml_ptr="*fp32")
+    for heads, warps in ((16, 4), (64, 8)):  # up to 4 tokens, and above (plan_dsa)
+        out.append(("dsa", f"attend {heads} heads BLOCK_N 32 {warps} warps", dsa_attention.attend_kernel, att,
+                    dict(KS=512, KP=4, BS=64, HEADS=heads, RP=512, BLOCK_N=32, SPLIT=True, IEEE=False), warps, 3))
+    sel = dict(src_ptr="*fp32", src_key_ptr="*fp32", pos_ptr="*i64", slot_ptr="*i64", dst_ptr="*i64", dst_key_ptr="*i64",
+               count_ptr="*i32")
+    out.append(("dsa", "select 4096 entries, final level", dsa_indexer.select_pools_kernel, sel,
+                dict(K=512, KP=4, BLOCK=4096, W=512, WB=512, KB=512, FROM_SCORES=True, FINAL=True), 8, 3))
     return out
 
 
@@ -93,7 +103,7 @@ def ptx_hash(ptx: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", choices=("moe", "kda"), default=None)
+    ap.add_argument("--only", choices=("moe", "kda", "dsa"), default=None)
     ap.add_argument("--ptx-hash", action="store_true")
     ap.add_argument("--no-specialise", dest="specialise", action="store_false",
                     help="compile without the launch's divisibility (as before s46)")

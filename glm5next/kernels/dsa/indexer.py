@@ -12,9 +12,9 @@ stock formula with the same rounding points. Scores of invisible pools are not w
 few launches whose count the host fixes from the block table's width (`select_levels`), so a captured
 graph replays them all. Each program loads its entries once into registers, turns the scores into
 order-preserving unsigned 32-bit keys (as the stock `top_pools` orders them, -0.0 read as +0.0), finds the K-th
-largest key with four 8-bit radix passes over the register block (a histogram per pass of the keys that
-share the digits found so far), then keeps every key above it and, of the keys equal to it, the lowest
-positions first (`_top`, shared by every level).
+largest key bit by bit over the register block (32 counts; four 8-bit histogram passes took 15 % longer at 8K
+tokens of context, 21 % at 128K and 64 tokens), then keeps every key above it and, of the keys equal to it, the
+lowest positions first (`_top`, shared by every level).
   - Chunk level, grid (tokens, chunks): chunk c takes the visible pools [c * C, (c + 1) * C) and writes
     its local top min(K, its pools) — pool index and key, ascending, -1 after them up to W = min(C, K) —
     into a candidates buffer [T, chunks * W]. Chunks are contiguous and each writes ascending, so the
@@ -93,30 +93,23 @@ def _top(key, ok, K: tl.constexpr):
     with the lower position first among equal keys: the mask of the kept lanes, each kept lane's rank
     among them (its slot in the ascending output) and how many are kept.
 
-    The K-th largest key `tau` is narrowed from its top byte by four 8-bit radix passes (a histogram per
-    pass of the keys sharing the digits found so far); `need` is how many keys equal to it are kept. With
-    at most K keys every key is kept."""
+    The K-th largest key `tau` is built from its top bit down: a bit stays set where at least K keys are
+    at or above the prefix with it (32 counts of the block, a compare and a sum each); `need` is how many
+    keys equal to it are kept. With at most K keys every key is kept."""
     n = tl.sum(ok.to(tl.int32), 0)
     k = tl.minimum(n, K)
     take = ok
     if n > K:
-        digits = tl.arange(0, 256)
-        prefix = tl.full([], 0, tl.uint32)
-        need = k
-        for rnd in tl.static_range(4):
-            shift = 24 - 8 * rnd
-            if rnd == 0:
-                same = ok
-            else:
-                same = ok & ((key >> (shift + 8)) == prefix)
-            hist = tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=same)
-            at_least = tl.sum(hist, 0) - (tl.cumsum(hist, 0) - hist)  # keys with digit >= d
-            pick = tl.max(tl.where(at_least >= need, digits, -1), 0)
-            need = need - tl.sum(tl.where(digits > pick, hist, 0), 0)
-            prefix = (prefix << 8) | pick.to(tl.uint32)
-        eq = (ok & (key == prefix)).to(tl.int32)
+        tau = tl.full([], 0, tl.uint32)
+        for b in tl.static_range(32):
+            cand = tau | tl.full([], 1 << (31 - b), tl.uint32)
+            if tl.sum((ok & (key >= cand)).to(tl.int32), 0) >= k:
+                tau = cand
+        above = ok & (key > tau)
+        need = k - tl.sum(above.to(tl.int32), 0)
+        eq = (ok & (key == tau)).to(tl.int32)
         rank = tl.cumsum(eq, 0) - eq  # lower positions first among equal keys
-        take = (ok & (key > prefix)) | ((eq != 0) & (rank < need))
+        take = above | ((eq != 0) & (rank < need))
     at = tl.cumsum(take.to(tl.int32), 0) - 1
     return take, at, k
 
