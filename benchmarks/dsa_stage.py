@@ -12,18 +12,21 @@ sequences and different W_UK/W_UV copies so that the step's bytes come from HBM.
 values against the stock module's, and the share of rows whose selected pools are equal.
 
     python benchmarks/dsa_stage.py [--contexts 8192,131072] [--tokens 1,2,4,8,16,32,64] [--verify 16x4]
-                                   [--out dsa.json]
+                                   [--attend 64/32/8,...] [--plans 'block_v=64;...'] [--out dsa.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
+import glm5next
 from glm5next.bench.floor import capture, measure_read_bandwidth, time_replays
 from glm5next.bench.slice import GLM53_FLASH_TEXT, build_slice_model
 from glm5next.config import Glm5NextConfig
@@ -74,6 +77,26 @@ def random_cache(config: Glm5NextConfig, seqs: int, context: int, q: int, dev) -
     return cache, per
 
 
+def launch_times(fn, calls: int) -> list[tuple[str, float]]:
+    """The kernels of one of `calls` equal calls in launch order, each the median of its time over the calls
+    and three replays of their graph (under the profiler)."""
+    graph = capture(fn)
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+    evs = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
+                 key=lambda ev: ev.time_range.start)
+    per = len(evs) // (3 * calls)
+    times = [[] for _ in range(per)]
+    for i, ev in enumerate(evs[: per * 3 * calls]):
+        times[i % per].append(ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total)
+    del graph
+    return [(evs[i].name.split("(")[0][:40], statistics.median(times[i])) for i in range(per)]
+
+
 def step_bytes(config: Glm5NextConfig, rows: int, q: int, context: int, w: DsaWeights) -> tuple[int, int]:
     """The stage's bytes floor of one step (W_UK/W_UV as the stage reads them), and the same with them as
     the checkpoint's FP8 with 128 x 128 block scales."""
@@ -96,6 +119,10 @@ def main() -> None:
     ap.add_argument("--verify", default="16x4", help="verify steps: ROWSxQ")
     ap.add_argument("--no-stock", action="store_true", help="skip the stock module")
     ap.add_argument("--attend", default="", help="also time the attention alone at these plans: HEADS/BLOCK_N/WARPS[/SPLITS],...")
+    ap.add_argument("--plans", default="", help="and at these plan overrides, ';' between plans, e.g. "
+                    "'block_v=64;block_r=64,up_block_k=128'")
+    ap.add_argument("--profile", action="store_true", help="the stage's kernels in launch order (torch.profiler over "
+                    "graph replays: each launch's time, the median over the rotated calls)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -104,10 +131,11 @@ def main() -> None:
     attn = model.layers[0].self_attn
     h, n, hi, d = attn.num_heads, attn.nope_dim, attn.indexer.n_heads, attn.indexer.head_dim
     bw = measure_read_bandwidth(dev)["bytes_per_s"]
-    log(f"read bandwidth {bw / 1e12:.2f} TB/s")
+    log(f"read bandwidth {bw / 1e12:.2f} TB/s; package {os.path.relpath(os.path.dirname(glm5next.__file__))}")
     shapes = [(int(t), 1) for t in args.tokens.split(",")]
     shapes += [tuple(int(x) for x in s.split("x")) for s in args.verify.split(",") if s]
     result = {"gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__, "bandwidth": bw,
+              "package": os.path.relpath(os.path.dirname(glm5next.__file__)),  # the checkout's or a base's
               "date": time.strftime("%Y-%m-%d"), "rows": []}
     base = DsaStage(attn, torch.bfloat16)
     qmax = max(q for _, q in shapes)
@@ -162,15 +190,24 @@ def main() -> None:
                                      s.scratch.get("count", (t,), torch.int32, dev), md.positions, md.slot_mapping,
                                      md.token_to_seq, md.block_tables, cache.latent, w, plan, scratch=s.scratch)
 
+            if args.profile:
+                row["stage_kernels"] = launch_times(lambda: [stages[k](ps[k], mds[k], cache) for k in range(rotate)],
+                                                    rotate)
+                log(f"ctx={context} rows={rows} q={q} kernels: " + ", ".join(f"{n} {us:.1f}"
+                                                                             for n, us in row["stage_kernels"]))
             row["indexer_us"] = median_us(indexer_only, rotate)
             row["attention_us"] = median_us(attention_only, rotate)
             variants = {}
+            overrides = {}
             for v in filter(None, args.attend.split(",")):
                 hp, bn, wp, *sp = (int(x) for x in v.split("/"))
+                overrides[v] = dict(heads_per_program=hp, block_n=bn, attend_warps=wp, **({"kv_splits": sp[0]} if sp else {}))
+            for v in filter(None, args.plans.split(";")):
+                overrides[v] = {k: int(x) for k, x in (kv.split("=") for kv in v.split(","))}
+            for v, over in overrides.items():
                 w0 = base.weights
                 vplan = plan_dsa(t, h, mds[0].block_tables.shape[1] * cache.pooled_key.shape[1], w0.topk_pools, w0.kpool,
-                                 torch.cuda.get_device_properties(dev).multi_processor_count, heads_per_program=hp,
-                                 block_n=bn, attend_warps=wp, **({"kv_splits": sp[0]} if sp else {}))
+                                 torch.cuda.get_device_properties(dev).multi_processor_count, **over)
 
                 def attention_variant(vplan=vplan):
                     for k in range(rotate):
