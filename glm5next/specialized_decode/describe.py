@@ -108,7 +108,7 @@ def stage_launches(w: dict, config: Glm5NextConfig, stage: str, choice: str, T: 
         return [dict(launch="write_cache", grid=(T,), pooled_keys="of the pools the step completes"),
                 dict(launch="index_scores", grid=(T, p.score_splits), block_p=p.block_p, warps=p.num_warps),
                 *[dict(launch="select_pools", grid=(T, chunks), block=block, warps=p.select_warps,
-                       radix="4 x 8 bits", level="final" if chunks == 1 else "chunks")
+                       threshold="bitwise", level="final" if chunks == 1 else "chunks")
                   for _, chunks, block in select_levels(pools, config.index_topk_pools, p.select_chunk)],
                 dict(launch="absorb", grid=(h, -(-r // p.block_r)), block=(p.block_m, p.block_k, p.block_r)),
                 dict(launch="attend", grid=(T, groups, p.kv_splits), heads=p.heads_per_program, block_n=p.block_n,
