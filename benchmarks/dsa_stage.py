@@ -191,10 +191,13 @@ def main() -> None:
                                      md.token_to_seq, md.block_tables, cache.latent, w, plan, scratch=s.scratch)
 
             if args.profile:
-                row["stage_kernels"] = launch_times(lambda: [stages[k](ps[k], mds[k], cache) for k in range(rotate)],
-                                                    rotate)
-                log(f"ctx={context} rows={rows} q={q} kernels: " + ", ".join(f"{n} {us:.1f}"
-                                                                             for n, us in row["stage_kernels"]))
+                try:
+                    row["stage_kernels"] = launch_times(
+                        lambda: [stages[k](ps[k], mds[k], cache) for k in range(rotate)], rotate)
+                    log(f"ctx={context} rows={rows} q={q} kernels: " + ", ".join(f"{n} {us:.1f}"
+                                                                                 for n, us in row["stage_kernels"]))
+                except Exception as e:  # noqa: BLE001 - the profile is an extra: the row's timings still count
+                    log(f"ctx={context} rows={rows} q={q}: no kernel profile ({type(e).__name__}: {e})")
             row["indexer_us"] = median_us(indexer_only, rotate)
             row["attention_us"] = median_us(attention_only, rotate)
             variants = {}
