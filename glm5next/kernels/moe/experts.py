@@ -106,28 +106,6 @@ def _gate_up_block(x_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr, e, p, rmask, pi
 
 
 @triton.jit
-def _slot_rows(slot_expert_ptr, slot_start_ptr, slot_count_ptr, slot):
-    """Slot `slot`'s expert (-1: the shared one), the first of its rows in the row list and their count."""
-    return tl.load(slot_expert_ptr + slot), tl.load(slot_start_ptr + slot), tl.load(slot_count_ptr + slot)
-
-
-@triton.jit
-def gate_up_slot(x_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr, slot_expert_ptr, slot_start_ptr, slot_count_ptr,
-                 rows_ptr, slot, pid_n, shared_wg, shared_wu, shared_sg, shared_su, T, N, K, stride_x, limit,
-                 TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, F32: tl.constexpr, HALF: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """`gate_up_kernel`'s work for one slot in use: its rows in blocks of BLOCK_M, column block pid_n."""
-    e, start, count = _slot_rows(slot_expert_ptr, slot_start_ptr, slot_count_ptr, slot)
-    for m0 in range(0, count, BLOCK_M):
-        r = m0 + tl.arange(0, BLOCK_M)
-        rmask = r < count
-        p = tl.load(rows_ptr + start + r, mask=rmask, other=0)
-        _gate_up_block(x_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr, e, p, rmask, pid_n,
-                       shared_wg, shared_wu, shared_sg, shared_su, T, N, K, stride_x, limit,
-                       TOP_K, HAS_SCALE, F32, HALF, BLOCK_M, BLOCK_N, BLOCK_K)
-
-
-@triton.jit
 def gate_up_kernel(x_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr,
                    slot_expert_ptr, slot_start_ptr, slot_count_ptr, rows_ptr, n_slots_ptr,
                    shared_wg, shared_wu, shared_sg, shared_su,
@@ -150,9 +128,16 @@ def gate_up_kernel(x_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr,
         wait_previous()
     if slot >= tl.load(n_slots_ptr):
         return
-    gate_up_slot(x_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr, slot_expert_ptr, slot_start_ptr, slot_count_ptr,
-                 rows_ptr, slot, pid_n, shared_wg, shared_wu, shared_sg, shared_su, T, N, K, stride_x, limit,
-                 TOP_K, HAS_SCALE, F32, HALF, BLOCK_M, BLOCK_N, BLOCK_K)
+    e = tl.load(slot_expert_ptr + slot)
+    start = tl.load(slot_start_ptr + slot)
+    count = tl.load(slot_count_ptr + slot)
+    for m0 in range(0, count, BLOCK_M):
+        r = m0 + tl.arange(0, BLOCK_M)
+        rmask = r < count
+        p = tl.load(rows_ptr + start + r, mask=rmask, other=0)
+        _gate_up_block(x_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr, e, p, rmask, pid_n,
+                       shared_wg, shared_wu, shared_sg, shared_su, T, N, K, stride_x, limit,
+                       TOP_K, HAS_SCALE, F32, HALF, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -197,21 +182,6 @@ def _down_block(h_ptr, w_ptr, s_ptr, weights_ptr, y_ptr, e, p, rmask, pid_n, sha
 
 
 @triton.jit
-def down_slot(h_ptr, w_ptr, s_ptr, weights_ptr, y_ptr, slot_expert_ptr, slot_start_ptr, slot_count_ptr, rows_ptr,
-              slot, pid_n, shared_w, shared_s, T, N, K,
-              TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, F32: tl.constexpr, HALF: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """`down_kernel`'s work for one slot in use: its rows in blocks of BLOCK_M, column block pid_n."""
-    e, start, count = _slot_rows(slot_expert_ptr, slot_start_ptr, slot_count_ptr, slot)
-    for m0 in range(0, count, BLOCK_M):
-        r = m0 + tl.arange(0, BLOCK_M)
-        rmask = r < count
-        p = tl.load(rows_ptr + start + r, mask=rmask, other=0)
-        _down_block(h_ptr, w_ptr, s_ptr, weights_ptr, y_ptr, e, p, rmask, pid_n, shared_w, shared_s, T, N, K,
-                    TOP_K, HAS_SCALE, F32, HALF, BLOCK_M, BLOCK_N, BLOCK_K)
-
-
-@triton.jit
 def down_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, y_ptr,
                 slot_expert_ptr, slot_start_ptr, slot_count_ptr, rows_ptr, n_slots_ptr,
                 shared_w, shared_s, T, N, K, first_slot,
@@ -229,8 +199,15 @@ def down_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, y_ptr,
         wait_previous()
     if slot >= tl.load(n_slots_ptr):
         return
-    down_slot(h_ptr, w_ptr, s_ptr, weights_ptr, y_ptr, slot_expert_ptr, slot_start_ptr, slot_count_ptr, rows_ptr,
-              slot, pid_n, shared_w, shared_s, T, N, K, TOP_K, HAS_SCALE, F32, HALF, BLOCK_M, BLOCK_N, BLOCK_K)
+    e = tl.load(slot_expert_ptr + slot)
+    start = tl.load(slot_start_ptr + slot)
+    count = tl.load(slot_count_ptr + slot)
+    for m0 in range(0, count, BLOCK_M):
+        r = m0 + tl.arange(0, BLOCK_M)
+        rmask = r < count
+        p = tl.load(rows_ptr + start + r, mask=rmask, other=0)
+        _down_block(h_ptr, w_ptr, s_ptr, weights_ptr, y_ptr, e, p, rmask, pid_n, shared_w, shared_s, T, N, K,
+                    TOP_K, HAS_SCALE, F32, HALF, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
