@@ -300,11 +300,10 @@ def select_levels(n_pools: int, k: int, chunk: int) -> list[tuple[int, int, int]
 
 def select_pools(scores: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kpool: int, k: int,
                  plan: DsaPlan, out: torch.Tensor | None = None, count: torch.Tensor | None = None,
-                 scratch: DsaScratch | None = None, kernel=select_pools_kernel) -> tuple[torch.Tensor, torch.Tensor]:
+                 scratch: DsaScratch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The top-min(k, visible) pools of each token's scores [T, n_pools] (ties: the lower pool first),
     ascending, padded with -1: [T, k] int64; and how many each token kept [T] int32. The candidates of
-    the levels before the final one (`select_levels`) go to `scratch` (new tensors without it). `kernel`:
-    the launch of each level (a kernel of `select_pools_kernel`'s arguments; benchmarks compare forms)."""
+    the levels before the final one (`select_levels`) go to `scratch` (new tensors without it)."""
     t, n_pools = scores.shape
     if scores.stride(1) != 1 or positions.shape != (t,) or slots.shape != (t,):
         raise ValueError("scores need unit column stride and one position and slot per row")
@@ -324,7 +323,7 @@ def select_pools(scores: torch.Tensor, positions: torch.Tensor, slots: torch.Ten
             cand = (scratch.get(f"select_{level}", shape, torch.int32, scores.device) if scratch is not None
                     else torch.empty(shape, dtype=torch.int32, device=scores.device))
             dst, dst_key, s_dst = cand[0], cand[1], chunks * w
-        kernel[(t, chunks)](
+        select_pools_kernel[(t, chunks)](
             src, src_key, positions, slots, dst, dst_key, count, s_src, s_dst, n, K=k, KP=kpool, BLOCK=block, W=w,
             WB=triton.next_power_of_2(w), KB=triton.next_power_of_2(k), FROM_SCORES=level == 0, FINAL=final,
             num_warps=plan.select_warps)

@@ -131,17 +131,6 @@ def select_pools_kernel(
     `dst_key_ptr` (keys), W = min(BLOCK, K) slots a chunk (row stride s_dst)."""
     t = tl.program_id(0)
     c = tl.program_id(1)
-    pool, ok, ordered, key = select_entries(src_ptr, src_key_ptr, pos_ptr, slot_ptr, s_src, n_src, t, c, KP, BLOCK,
-                                            FROM_SCORES)
-    take, at, kept = _top(key, ok, K)
-    select_store(dst_ptr, dst_key_ptr, count_ptr, s_dst, t, c, pool, ordered, take, at, kept, K, W, WB, KB, FINAL)
-
-
-@triton.jit
-def select_entries(src_ptr, src_key_ptr, pos_ptr, slot_ptr, s_src, n_src, t, c, KP: tl.constexpr,
-                   BLOCK: tl.constexpr, FROM_SCORES: tl.constexpr):
-    """`select_pools_kernel`'s entries of program (t, c): their pools, which are valid, their ordered 32-bit
-    keys (int32, as stored between levels) and those as unsigned keys (larger score, larger key)."""
     i = c * BLOCK + tl.arange(0, BLOCK)
     if FROM_SCORES:
         ok = i < _visible_pools(pos_ptr, slot_ptr, t, n_src, KP)
@@ -154,13 +143,7 @@ def select_entries(src_ptr, src_key_ptr, pos_ptr, slot_ptr, s_src, n_src, t, c, 
         ok = pool >= 0
         ordered = tl.load(src_key_ptr + t * s_src + i, mask=ok, other=0)
     key = (ordered ^ -2147483648).to(tl.uint32, bitcast=True)  # larger score, larger key (unsigned)
-    return pool, ok, ordered, key
-
-
-@triton.jit
-def select_store(dst_ptr, dst_key_ptr, count_ptr, s_dst, t, c, pool, ordered, take, at, kept, K: tl.constexpr,
-                 W: tl.constexpr, WB: tl.constexpr, KB: tl.constexpr, FINAL: tl.constexpr):
-    """`select_pools_kernel`'s outputs of program (t, c) for the kept lanes `take` at ranks `at`."""
+    take, at, kept = _top(key, ok, K)
     if FINAL:
         row = dst_ptr + t * s_dst
         tl.store(row + at, pool.to(tl.int64), mask=take)
