@@ -32,41 +32,41 @@ import triton.language as tl
 
 
 @triton.jit
-def _conv_rows(conv_base, pre_ptr, stride, chan, pch, row, t, Q: tl.constexpr, KEEP: tl.constexpr,
-               TAPS: tl.constexpr, USED: tl.constexpr):
-    """Pre-conv rows t - KEEP .. t - KEEP + USED - 1 of channels `chan` [C] as [TAPS, C] fp32 (0 past
-    USED): the cached window below row 0, the step's projection rows (`pre_ptr`, column `pch`) after."""
-    tap = tl.arange(0, TAPS)
-    src = t - KEEP + tap
-    used = tap < USED
-    old = used & (src < 0)
-    new = used & (src >= 0)
-    col = tl.maximum(src + KEEP, 0)
-    src_tok = row * Q + tl.maximum(src, 0)
-    x_old = tl.load(conv_base + chan[None, :] * KEEP + col[:, None], mask=old[:, None], other=0.0)
-    x_new = tl.load(pre_ptr + src_tok[:, None] * stride + pch[None, :], mask=new[:, None], other=0.0)
-    return x_old.to(tl.float32) + x_new.to(tl.float32)
+def _conv_row(conv_base, pre_ptr, stride, chan, pch, row, src, Q: tl.constexpr, KEEP: tl.constexpr):
+    """Pre-conv row `src` (relative to the step's first token) of channels `chan` [C], fp32: the cached
+    window's column src + KEEP below row 0, the step's projection row (column `pch`) after."""
+    if src < 0:
+        x = tl.load(conv_base + chan * KEEP + (src + KEEP)).to(tl.float32)
+    else:
+        x = tl.load(pre_ptr + (row * Q + src) * stride + pch).to(tl.float32)
+    return x
 
 
 @triton.jit
 def _conv_silu(conv_base, conv_w_ptr, pre_ptr, stride, chan, pch, row, t, Q: tl.constexpr, KEEP: tl.constexpr,
                TAPS: tl.constexpr, dtype: tl.constexpr):
-    """SiLU of the causal conv of channels `chan` at token t, fp32, rounded to `dtype` (as stock rounds it)."""
-    tap = tl.arange(0, TAPS)
-    w = tl.load(conv_w_ptr + chan[None, :] * (KEEP + 1) + tap[:, None], mask=(tap <= KEEP)[:, None], other=0.0)
-    a = tl.sum(w.to(tl.float32) * _conv_rows(conv_base, pre_ptr, stride, chan, pch, row, t, Q, KEEP, TAPS, KEEP + 1), 0)
+    """SiLU of the causal conv of channels `chan` at token t, fp32, rounded to `dtype` (as stock rounds it): the
+    taps one row of channels at a time, in one layout (no exchange between threads)."""
+    a = tl.zeros(chan.shape, tl.float32)
+    for i in tl.static_range(KEEP + 1):
+        w = tl.load(conv_w_ptr + chan * (KEEP + 1) + i).to(tl.float32)
+        a += w * _conv_row(conv_base, pre_ptr, stride, chan, pch, row, t - KEEP + i, Q, KEEP)
     return (a * tl.sigmoid(a)).to(dtype).to(tl.float32)
 
 
 @triton.jit
 def _advance_window(conv_base, pre_ptr, stride, chan, pch, row, Q: tl.constexpr, KEEP: tl.constexpr,
                     TAPS: tl.constexpr):
-    """The conv window of channels `chan` after the step: its last KEEP pre-conv rows."""
-    keep = tl.arange(0, TAPS)
-    x = _conv_rows(conv_base, pre_ptr, stride, chan, pch, row, Q, Q, KEEP, TAPS, KEEP)
-    x = x.to(conv_base.dtype.element_ty)
-    tl.debug_barrier()  # every thread has read the old window before any thread overwrites it
-    tl.store(conv_base + chan[None, :] * KEEP + keep[:, None], x, mask=(keep < KEEP)[:, None])
+    """The conv window of channels `chan` after the step: its last KEEP pre-conv rows. Rows still in the old
+    window move down first (column i takes column i + Q, read before written), then the step's rows."""
+    dt = conv_base.dtype.element_ty
+    for i in tl.static_range(KEEP):
+        if i + Q < KEEP:
+            x = tl.load(conv_base + chan * KEEP + i + Q)
+            tl.debug_barrier()  # every thread has read column i + Q before any thread overwrites column i
+            tl.store(conv_base + chan * KEEP + i, x)
+        else:
+            tl.store(conv_base + chan * KEEP + i, tl.load(pre_ptr + (row * Q + i + Q - KEEP) * stride + pch).to(dt))
 
 
 @triton.jit
