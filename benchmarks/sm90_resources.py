@@ -82,10 +82,12 @@ def cases() -> list[tuple[str, str, object, dict, dict, int, int]]:
                     kda.kda_decode_kernel, ptrs, dict(Q=q, K=128, V=128, KEEP=3, TAPS=4, BLOCK_V=block_v, VERIFY=verify),
                     warps, 3))
     att = {n: "*i64" for n in ("sel_ptr", "pos_ptr", "slot_ptr", "seq_ptr")}
-    att.update(qlat_ptr="*bf16", lat_ptr="*bf16", count_ptr="*i32", tab_ptr="*i32", acc_ptr="*fp32", ml_ptr="*fp32")
-    for heads, warps in ((16, 4), (64, 8)):  # up to 4 tokens, and above (plan_dsa)
+    att.update(qlat_ptr="*bf16", lat_ptr="*bf16", count_ptr="*i32", tab_ptr="*i32", rows_ptr="*i32", acc_ptr="*fp32",
+               ml_ptr="*fp32")
+    for heads, warps, chunk in ((16, 4, 64), (64, 8, 2048)):  # one token (33 splits), 64 tokens (2) (plan_dsa)
         out.append(("dsa", f"attend {heads} heads BLOCK_N 32 {warps} warps", dsa_attention.attend_kernel, att,
-                    dict(KS=512, KP=4, BS=64, HEADS=heads, RP=512, BLOCK_N=32, SPLIT=True, IEEE=False), warps, 3))
+                    dict(KS=512, KP=4, BS=64, HEADS=heads, RP=512, BLOCK_N=32, CHUNK=chunk, SPLIT=True, IEEE=False),
+                    warps, 3))
     sel = dict(src_ptr="*fp32", src_key_ptr="*fp32", pos_ptr="*i64", slot_ptr="*i64", dst_ptr="*i64", dst_key_ptr="*i64",
                count_ptr="*i32")
     out.append(("dsa", "select 4096 entries, final level", dsa_indexer.select_pools_kernel, sel,

@@ -113,7 +113,8 @@ def stage_launches(w: dict, config: Glm5NextConfig, stage: str, choice: str, T: 
                 dict(launch="absorb", grid=(h, -(-r // p.block_r)), block=(p.block_m, p.block_k, p.block_r)),
                 dict(launch="attend", grid=(T, groups, p.kv_splits), heads=p.heads_per_program, block_n=p.block_n,
                      warps=p.attend_warps)] + \
-            ([dict(launch="merge_splits", grid=(T, h), block_r=p.merge_block_r)] if p.kv_splits > 1 else []) + \
+            ([dict(launch="merge_splits", grid=(T, h, -(-r // p.merge_block_r)), block_r=p.merge_block_r)]
+             if p.kv_splits > 1 else []) + \
             [dict(launch="value_up", grid=(h, -(-v // p.block_v)), block_v=p.block_v, block_k=p.up_block_k)]
     if stage == "moe":
         if not any(config.moe_layers):

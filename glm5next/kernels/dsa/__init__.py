@@ -104,7 +104,7 @@ class DsaPlan:
     up_block_k: int
     """Latent columns per step of the value-up's product."""
     merge_block_r: int
-    """Latent columns per step of the split merge (a [splits, merge_block_r] tile)."""
+    """Latent columns per program of the split merge (a [splits, merge_block_r] tile)."""
     num_warps: int = 4
     select_warps: int = 4
     """Warps of the selection's launches (a GPU block of 4096 keys wants 8)."""
@@ -367,14 +367,19 @@ def sparse_attention(q: torch.Tensor, selection: torch.Tensor, count: torch.Tens
     else:
         acc, ml = ctx, ctx
     hp = plan.heads_per_program
-    attend_kernel[(t, triton.cdiv(h, hp), splits)](
-        qlat, selection, count, positions, slots, token_to_seq, block_tables, latent, acc, ml,
+    groups = triton.cdiv(h, hp)
+    ks = selection.shape[1]
+    chunk = _pow2(triton.cdiv(triton.cdiv(ks * w.kpool + w.kpool - 1, splits), plan.block_n) * plan.block_n)
+    rows = scratch.get("rows", (t, groups, splits, chunk), torch.int32, dev)
+    attend_kernel[(t, groups, splits)](
+        qlat, selection, count, positions, slots, token_to_seq, block_tables, latent, rows, acc, ml,
         selection.stride(0), block_tables.stride(0), n_pools, h, r, w.scale, splits,
-        KS=selection.shape[1], KP=w.kpool, BS=bs, HEADS=hp, RP=_pow2(r), BLOCK_N=plan.block_n, SPLIT=splits > 1,
+        KS=ks, KP=w.kpool, BS=bs, HEADS=hp, RP=_pow2(r), BLOCK_N=plan.block_n, CHUNK=chunk, SPLIT=splits > 1,
         IEEE=ieee, num_warps=plan.attend_warps)
     if splits > 1:
-        merge_splits_kernel[(t, h)](acc, ml, slots, ctx, h, r, splits, SP=triton.next_power_of_2(splits),
-                               BLOCK_R=plan.merge_block_r, num_warps=plan.num_warps)
+        merge_splits_kernel[(t, h, triton.cdiv(r, plan.merge_block_r))](
+            acc, ml, slots, ctx, h, r, splits, SP=triton.next_power_of_2(splits), BLOCK_R=plan.merge_block_r,
+            num_warps=plan.num_warps)
     out = torch.empty(t, h, v, dtype=torch.float32, device=dev) if out is None else out
     if out.shape != (t, h, v) or not out.is_contiguous():
         raise ValueError(f"values must be [{t}, {h}, {v}] contiguous")

@@ -15,8 +15,8 @@ stock module's masked softmax does. Each split reads its latent rows once throug
 HEADS heads together (scores [HEADS, R] x [R, BLOCK_N] and context [HEADS, BLOCK_N] x [BLOCK_N, R] as
 tensor-core products of the cache's dtype with fp32 accumulation) and keeps an online softmax. With one
 split it writes the normalised context [T, H, R] (cache dtype) itself; with several, its unnormalised
-context with its running max and sum, and `merge_splits_kernel` — grid (tokens, heads) — merges them in
-split order (weights `exp(m_s - max) / sum`: deterministic).
+context with its running max and sum, and `merge_splits_kernel` — grid (tokens, heads, latent blocks) — merges
+them in split order (weights `exp(m_s - max) / sum`: deterministic).
 """
 
 from __future__ import annotations
@@ -62,14 +62,32 @@ def head_product_kernel(
 
 
 @triton.jit
+def _latent_rows(sel_ptr, tab_ptr, t, seq, pos, pooled, j, live, s_sel, s_tab, n_pools, KP: tl.constexpr,
+                 BS: tl.constexpr):
+    """Entries j of token t's list (under `live`): the cache row each reads, as -1 - row where the entry is
+    skipped (a negative, invisible or not yet whole pool, a tail position past the token: those read the
+    sequence's first row, at the lowest score)."""
+    in_tail = j >= pooled
+    pool = tl.load(sel_ptr + t * s_sel + j // KP, mask=live & ~in_tail, other=-1)
+    tok = tl.where(in_tail, (pos + 1) // KP * KP + (j - pooled), pool * KP + j % KP)
+    whole_pool = (pool >= 0) & (pool < n_pools) & (pool * KP + KP - 1 <= pos)
+    ok = tl.where(in_tail, tok <= pos, whole_pool)
+    tok = tl.where(ok, tok, 0)
+    blk = tl.load(tab_ptr + seq * s_tab + tok // BS, mask=live, other=0)
+    row = (blk * BS + tok % BS).to(tl.int32)
+    return tl.where(ok, row, -1 - row)
+
+
+@triton.jit
 def attend_kernel(
-    qlat_ptr, sel_ptr, count_ptr, pos_ptr, slot_ptr, seq_ptr, tab_ptr, lat_ptr, acc_ptr, ml_ptr,
+    qlat_ptr, sel_ptr, count_ptr, pos_ptr, slot_ptr, seq_ptr, tab_ptr, lat_ptr, rows_ptr, acc_ptr, ml_ptr,
     s_sel, s_tab, n_pools, H, R, scale, splits,
     KS: tl.constexpr, KP: tl.constexpr, BS: tl.constexpr, HEADS: tl.constexpr, RP: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
 ):
     """q_lat [T, H, R]; selection [T, KS] int64 (row stride s_sel) with `count` [T] int32 leading
-    entries to read; latent cache [blocks + 1, BS, R]; block tables [seqs, blocks] (row stride s_tab).
+    entries to read; latent cache [blocks + 1, BS, R]; block tables [seqs, blocks] (row stride s_tab);
+    rows [T, H / HEADS, splits, CHUNK] int32, scratch (CHUNK >= a split's share of the longest list).
     SPLIT: acc [T, H, splits, R] fp32 and ml [T, H, splits, 2] fp32 (running max, running sum); else
     acc is the context [T, H, R] (q_lat's dtype) and ml unused."""
     t = tl.program_id(0)
@@ -85,6 +103,15 @@ def attend_kernel(
         chunk = tl.cdiv(tl.cdiv(length, splits), BLOCK_N) * BLOCK_N
         lo = split * chunk
         hi = tl.minimum(lo + chunk, length)
+        # The split's latent rows, all at once (one gather of pools, one of block-table entries), into its
+        # row table: a kept entry's cache row, a skipped one's as -1 - row; the loop below then waits on
+        # no load to form an address.
+        rows = rows_ptr + ((t * tl.num_programs(1) + hg) * splits + split) * CHUNK
+        jj = lo + tl.arange(0, CHUNK)
+        mine = jj < hi
+        rows_tab = _latent_rows(sel_ptr, tab_ptr, t, seq, pos, pooled, jj, mine, s_sel, s_tab, n_pools, KP, BS)
+        tl.store(rows + tl.arange(0, CHUNK), rows_tab, mask=mine)
+        tl.debug_barrier()  # the table's stores precede every thread's reads of it
         hh = hg * HEADS + tl.arange(0, HEADS)
         hok = hh < H
         r = tl.arange(0, RP)
@@ -93,19 +120,14 @@ def attend_kernel(
         m_i = tl.full([HEADS], float("-inf"), tl.float32)
         l_i = tl.zeros([HEADS], dtype=tl.float32)
         acc = tl.zeros([HEADS, RP], dtype=tl.float32)
-        tail0 = (pos + 1) // KP * KP
         for j0 in range(lo, hi, BLOCK_N):
             j = j0 + tl.arange(0, BLOCK_N)
             inside = j < hi
-            in_tail = j >= pooled
-            pool = tl.load(sel_ptr + t * s_sel + j // KP, mask=inside & ~in_tail, other=-1)
-            tok = tl.where(in_tail, tail0 + (j - pooled), pool * KP + j % KP)
-            whole_pool = (pool >= 0) & (pool < n_pools) & (pool * KP + KP - 1 <= pos)
-            ok = inside & tl.where(in_tail, tok <= pos, whole_pool)
-            tok = tl.where(ok, tok, 0)  # a skipped entry reads the sequence's first row, at the lowest score
-            blk = tl.load(tab_ptr + seq * s_tab + tok // BS, mask=inside, other=0)
-            c = tl.load(lat_ptr + (blk * BS + tok % BS)[:, None] * R + r[None, :],
-                        mask=inside[:, None] & rok[None, :], other=0.0)
+            row = tl.load(rows + (j - lo), mask=inside, other=-1)
+            ok = row >= 0
+            row = tl.where(ok, row, -1 - row)
+            c = tl.load(lat_ptr + row.to(tl.int64)[:, None] * R + r[None, :], mask=inside[:, None] & rok[None, :],
+                        other=0.0)
             s = _dot(q, tl.trans(c), IEEE) * scale
             s = tl.where(ok[None, :], s, -3.4028234663852886e38)
             s = tl.where(inside[None, :], s, float("-inf"))
@@ -132,13 +154,17 @@ def merge_splits_kernel(
     acc_ptr, ml_ptr, slot_ptr, ctx_ptr, H, R, splits, SP: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """acc [T, H, splits, R], ml [T, H, splits, 2] fp32 (from `attend_kernel`) into the context [T, H, R]
-    (its dtype); padding tokens are left alone (the value-up zeroes them)."""
+    (its dtype); grid (tokens, heads, R blocks of BLOCK_R), each program one load of its block's partials;
+    padding tokens are left alone (the value-up zeroes them)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     if tl.load(slot_ptr + t) >= 0:
         sp = tl.arange(0, SP)
         spok = sp < splits
         base = (t * H + h) * splits + sp
+        r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
+        rok = r < R
+        parts = tl.load(acc_ptr + base[:, None] * R + r[None, :], mask=spok[:, None] & rok[None, :], other=0.0)
         m = tl.load(ml_ptr + base * 2, mask=spok, other=float("-inf"))
         l = tl.load(ml_ptr + base * 2 + 1, mask=spok, other=0.0)
         top = tl.max(m, 0)
@@ -146,9 +172,5 @@ def merge_splits_kernel(
         wgt = tl.exp(m - top)
         den = tl.sum(wgt * l, 0)
         wgt = wgt / tl.where(den > 0, den, 1.0)
-        for r0 in range(0, R, BLOCK_R):
-            r = r0 + tl.arange(0, BLOCK_R)
-            rok = r < R
-            parts = tl.load(acc_ptr + base[:, None] * R + r[None, :], mask=spok[:, None] & rok[None, :], other=0.0)
-            x = tl.sum(wgt[:, None] * parts, 0)  # splits summed in order
-            tl.store(ctx_ptr + (t * H + h) * R + r, x.to(ctx_ptr.dtype.element_ty), mask=rok)
+        x = tl.sum(wgt[:, None] * parts, 0)  # splits summed in order
+        tl.store(ctx_ptr + (t * H + h) * R + r, x.to(ctx_ptr.dtype.element_ty), mask=rok)
