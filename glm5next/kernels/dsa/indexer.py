@@ -94,22 +94,34 @@ def _top(key, ok, K: tl.constexpr):
     among them (its slot in the ascending output) and how many are kept.
 
     The K-th largest key `tau` is built from its top bit down: a bit stays set where at least K keys are
-    at or above the prefix with it (32 counts of the block, a compare and a sum each); `need` is how many
-    keys equal to it are kept. With at most K keys every key is kept."""
+    at or above the prefix with it (a compare and a sum of the block each). Where exactly K keys are at or
+    above the prefix, those are the top K and the search stops (tie-free scores: about half of the 32
+    bits); else, after the last bit, `need` is how many keys equal to `tau` are kept. With at most K keys
+    every key is kept."""
     n = tl.sum(ok.to(tl.int32), 0)
     k = tl.minimum(n, K)
     take = ok
     if n > K:
+        kv = tl.where(ok, key, 0)  # a lane outside counts as key 0, below every candidate (each has a bit set)
+        one = tl.full([], 1, tl.uint32)
         tau = tl.full([], 0, tl.uint32)
-        for b in tl.static_range(32):
-            cand = tau | tl.full([], 1 << (31 - b), tl.uint32)
-            if tl.sum((ok & (key >= cand)).to(tl.int32), 0) >= k:
+        b = 0
+        exact = 0
+        while (b < 32) & (exact == 0):
+            cand = tau | (one << (31 - b).to(tl.uint32))
+            cnt = tl.sum((kv >= cand).to(tl.int32), 0)
+            if cnt >= k:
                 tau = cand
-        above = ok & (key > tau)
-        need = k - tl.sum(above.to(tl.int32), 0)
-        eq = (ok & (key == tau)).to(tl.int32)
-        rank = tl.cumsum(eq, 0) - eq  # lower positions first among equal keys
-        take = above | ((eq != 0) & (rank < need))
+            exact = (cnt == k).to(tl.int32)
+            b += 1
+        if exact != 0:
+            take = ok & (key >= tau)
+        else:
+            above = ok & (key > tau)
+            need = k - tl.sum(above.to(tl.int32), 0)
+            eq = (ok & (key == tau)).to(tl.int32)
+            rank = tl.cumsum(eq, 0) - eq  # lower positions first among equal keys
+            take = above | ((eq != 0) & (rank < need))
     at = tl.cumsum(take.to(tl.int32), 0) - 1
     return take, at, k
 
