@@ -4,7 +4,8 @@
 Per context and step shape (rows x q tokens per row; q > 1 is a verify): the bytes the stage must move
 over the read bandwidth measured in this process — every visible pool's pooled key, the selected latent
 rows (one token's selection per row: a lower bound on a verify row's union), W_UK and W_UV (as the
-stage reads them, bf16; the FP8 checkpoint's bytes in `floor_fp8_us`), the step's latent, indexer key
+stage reads them, with their block scales: the checkpoint's FP8; `floor_fp8_us` counts them as FP8 in
+any case), the step's latent, indexer key
 and gate rows written, and the pools its tokens complete; the stage (cache writes, scores, selection,
 attention, value-up; its indexer and attention launches also alone); the stock `SparseMLA.attention`
 (graph). Every time is the median of CUDA-graph replays, each graph holding `rotate` calls on different
@@ -106,7 +107,8 @@ def step_bytes(config: Glm5NextConfig, rows: int, q: int, context: int, w: DsaWe
     lat_rows = max(min(config.index_topk_pools, (p + 1) // kp) * kp + (p + 1) % kp for p in positions)
     completes = sum(1 for p in positions if p % kp == kp - 1)
     per_row = visible * d * 2 + lat_rows * r * 2 + q * (r + 2 * d) * 2 + completes * (kp * 2 * d * 2 + d * 2)
-    weights = w.w_uk.numel() * w.w_uk.element_size() + w.w_uv_t.numel() * w.w_uv_t.element_size()
+    weights = sum(x.numel() * x.element_size() for x in (w.w_uk, w.w_uv_t, w.w_uk_scale, w.w_uv_t_scale)
+                  if x is not None)
     elems = w.w_uk.numel() + w.w_uv_t.numel()
     fp8 = elems + elems // (128 * 128) * 4
     return rows * per_row + weights, rows * per_row + fp8

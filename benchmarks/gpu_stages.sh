@@ -28,6 +28,8 @@
 # archive $B glm5next tests pyproject.toml benchmarks/dsa_select.py | tar -x -C benchmarks/.b/$B; done. The KDA stage
 # here and on 5d9804f, the DSA stage kernel by kernel here and on a41cb1a, the selection here and on f096d2a (tied
 # and tie-free scores). PART=24: each of those forms' DSA and KDA GPU tests.
+# PART=25: s48's FP8 W_UK / W_UV^T against the package of $BASE, the attention's and KDA's plans, the step against
+# the package of $BASE0 (both unpacked in benchmarks/.b/ as PART=9 says).
 # PART=15: the DSA selection alone (dsa_select.py) and the DSA stage, here and on the package of commit $BASE
 # unpacked in benchmarks/.b/$BASE (as PART=9 says), with the selection's GPU tests.
 # A fresh machine compiles every kernel first: the first part run there needs the longest limits. Logs
@@ -168,6 +170,24 @@ run dsa-select-main 60 python benchmarks/.b/f096d2a/benchmarks/dsa_select.py --v
   --out "$OUT/dsa-select-main.json"
 (cd benchmarks/.b/f096d2a && PYTHONPATH=.:/tmp/site run dsa-select-early 60 python benchmarks/dsa_select.py \
   --variants "" --out "$OUT/dsa-select-early.json")
+elif [ "${PART:-1}" = 25 ]; then
+# s48: W_UK / W_UV^T read as the checkpoint's FP8 with block scales, against the package of $BASE (the widened
+# bf16 form) and its dsa_stage.py, unpacked beforehand: git archive $BASE glm5next benchmarks/dsa_stage.py | tar
+# -x -C benchmarks/.b/$BASE; then the attention's and the KDA's plans over the
+# forms that landed in s48, and the step here and on $BASE0 (the package before s48's forms), also unpacked.
+run dsa-tests 150 python -m pytest -q -m gpu -rfE --tb=short tests/test_kernels_dsa.py
+A=(--contexts 8192,131072 --tokens 1,2,4,8,16,64 --verify "" --no-stock --profile)
+run dsa-stage-fp8 80 python benchmarks/dsa_stage.py "${A[@]}" --out "$OUT/dsa-stage-fp8.json"
+(cd "benchmarks/.b/$BASE" && PYTHONPATH=.:/tmp/site run dsa-stage-bf16 80 python benchmarks/dsa_stage.py "${A[@]}" \
+  --out "$OUT/dsa-stage-bf16.json")
+run dsa-plans 90 python benchmarks/dsa_stage.py --contexts 8192 --tokens 1,4,16,64 --verify "" --no-stock \
+  --attend 64/64/8,64/16/8,32/32/4,32/32/8,16/32/4 \
+  --plans "block_v=64;up_block_k=128;block_v=64,up_block_k=128;block_k=128;block_r=64" --out "$OUT/dsa-plans.json"
+run kda-plans 40 python benchmarks/kda_stage.py --tokens 1,2,4,8,16 --verify "" --block-v 32,64,128 --warps 4,8 \
+  --out "$OUT/kda-plans.json"
+run profile 100 python benchmarks/profile_step.py --tokens 1,2,8,64 --out "$OUT/profile.json"
+(cd "benchmarks/.b/$BASE0" && cp ../../profile_step.py . && PYTHONPATH=.:/tmp/site run "profile-$BASE0" 100 python \
+  profile_step.py --tokens 1,2,8,64 --out "$OUT/profile-base.json")
 elif [ "${PART:-1}" = 24 ]; then
 for B in a41cb1a f096d2a 5d9804f; do
   (cd "benchmarks/.b/$B" && PYTHONPATH=.:/tmp/site run "tests-$B" 120 python -m pytest -q -m gpu -rfE --tb=short \

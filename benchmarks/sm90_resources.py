@@ -88,6 +88,12 @@ def cases() -> list[tuple[str, str, object, dict, dict, int, int]]:
         out.append(("dsa", f"attend {heads} heads BLOCK_N 32 {warps} warps", dsa_attention.attend_kernel, att,
                     dict(KS=512, KP=4, BS=64, HEADS=heads, RP=512, BLOCK_N=32, CHUNK=chunk, SPLIT=True, IEEE=False),
                     warps, 3))
+    for w, tag in (("*bf16", "bf16"), ("*fp8e4nv", "fp8")):  # absorb (64 tokens) and value-up (plan_dsa's tiles)
+        hp = dict(x_ptr="*bf16", slot_ptr="*i64", w_ptr=w, scale_ptr="*fp32", out_ptr="*bf16")
+        for name, bk, bn in (("absorb", 64, 128), ("value-up", 64, 32)):
+            out.append(("dsa", f"{name} {tag} BLOCK_K {bk} BLOCK_N {bn}", dsa_attention.head_product_kernel,
+                        {**hp, "out_ptr": "*bf16" if name == "absorb" else "*fp32"},
+                        dict(BLOCK_M=64, BLOCK_K=bk, BLOCK_N=bn, SCALED=tag == "fp8", IEEE=False), 4, 3))
     sel = dict(src_ptr="*fp32", src_key_ptr="*fp32", pos_ptr="*i64", slot_ptr="*i64", dst_ptr="*i64", dst_key_ptr="*i64",
                count_ptr="*i32")
     out.append(("dsa", "select 4096 entries, final level", dsa_indexer.select_pools_kernel, sel,

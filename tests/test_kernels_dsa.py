@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 
+from glm5next.checkpoint.fp8 import FP8_DTYPE, quantize_fp8_blocks
 from glm5next.forward import DsaCache
 from glm5next.kernels.dsa import (DsaScratch, DsaWeights, IndexerInputWeights, index_scores, index_scores_reference,
                                   indexer_inputs, indexer_inputs_reference, plan_dsa, select_levels, select_pools,
@@ -27,7 +28,16 @@ def rel(got, want):
 
 
 def random_layer(h, n, r, v, kpool, topk, device="cpu", dtype=torch.float32, seed=0) -> DsaWeights:
+    """Random W_UK / W_UV^T in `dtype`; with FP8_DTYPE, random e4m3 codes and random (not power-of-two)
+    block scales, as a checkpoint's kv_b_proj may hold them."""
     g = torch.Generator(device=device).manual_seed(seed)
+    if dtype == FP8_DTYPE:
+        def fp8(*shape):
+            codes = (torch.randn(*shape, generator=g, device=device) * 64).clamp(-448, 448).to(FP8_DTYPE)
+            grid = (shape[0], -(-shape[1] // 128), -(-shape[2] // 128))
+            return codes, (torch.rand(*grid, generator=g, device=device) + 0.5) / (64 * shape[1] ** 0.5)
+        (w_uk, s_uk), (w_uv_t, s_uv) = fp8(h, n, r), fp8(h, r, v)
+        return DsaWeights(w_uk, w_uv_t, kpool, topk, n**-0.5, 32**-0.5, w_uk_scale=s_uk, w_uv_t_scale=s_uv)
     w_uk = (torch.randn(h, n, r, generator=g, device=device) * n**-0.5).to(dtype)
     w_uv_t = (torch.randn(h, r, v, generator=g, device=device) * r**-0.5).to(dtype)
     return DsaWeights(w_uk, w_uv_t, kpool, topk, n**-0.5, 32**-0.5)
@@ -250,6 +260,63 @@ def test_sparse_attention_matches_reference(h, splits):
     assert rel(got[5], torch.einsum("r,hrv->hv", first, w.w_uv_t)) < 1e-5
 
 
+def test_sparse_attention_fp8_weights_match_reference():
+    """W_UK / W_UV^T as FP8 codes with their block scales, at widths past one 128 block and not a multiple of
+    it (nope 200, R 136, v 72: K steps and output tiles in both scale blocks, and masked edges): the absorb
+    and the value-up apply each tile's scale as the fp32 reference dequantizes them."""
+    kp, bs, k, width, blocks, h = 4, 16, 8, 8, 34, 3
+    n, r, v = 200, 136, 72
+    w = random_layer(h, n, r, v, kp, k, dtype=FP8_DTYPE, seed=11)
+    latent, _ = random_caches(blocks, bs, r, 16, kp, seed=12)
+    pos, seqs, slots, tables = step([127, 40, 93, 6], [0, 1, 0, 2], [5, -1, 11, 2], width, blocks, seed=13)
+    t = pos.shape[0]
+    q = torch.randn(t, h, n, generator=torch.Generator().manual_seed(14))
+    sel = torch.tensor([[0, 3, 4, 9, 17, 20, 25, 31], [-1] * 8, [1, 2, 5, 6, 7, 11, 22, 23], [0] + [-1] * 7])
+    count = torch.tensor([8, 0, 8, 1], dtype=torch.int32)
+    plan = plan_dsa(t, h, width * bs // kp, k, kp, 8, on_gpu=False, kv_splits=2, block_n=16)
+    out = torch.full((t, h, v), float("nan"))
+    got = sparse_attention(q, sel, count, pos, slots, seqs, tables, latent, w, plan, out=out)
+    want = sparse_attention_reference(q, sel, count, pos, slots, seqs, tables, latent, w)
+    assert not got.isnan().any() and rel(got, want) < 1e-5
+    assert not got[1].any()  # the padded row
+    # FP8 codes without their scales, and tiles across a scale block, are refused.
+    with pytest.raises(ValueError, match="block scales"):
+        DsaWeights(w.w_uk, w.w_uv_t, kp, k, w.scale, w.index_scale)
+    with pytest.raises(ValueError, match="divide their 128"):
+        sparse_attention(q, sel, count, pos, slots, seqs, tables, latent, w,
+                         plan_dsa(t, h, width * bs // kp, k, kp, 8, on_gpu=False, block_k=48))
+
+
+@pytest.mark.parametrize("nope,fp8", [(128, True), (96, False), (128, False)], ids=["fp8", "fp8_unaligned", "bf16"])
+def test_weights_of_a_layer_keep_fp8_head_blocks(nope, fp8):
+    """`DsaWeights.of`: an FP8 kv_b_proj whose head blocks start on its scale blocks stays FP8 (each head's
+    nope rows, and its v rows transposed, with their scales), equal to the widened form once dequantized;
+    one whose heads straddle scale blocks, or a 16-bit one, is widened."""
+    from types import SimpleNamespace
+
+    from glm5next.checkpoint.fp8 import dequantize_fp8
+
+    h, v, r = 3, 128, 136
+    g = torch.Generator().manual_seed(15)
+    dense = torch.randn(h * (nope + v), r, generator=g) * 0.05
+    w8, s8 = quantize_fp8_blocks(dense)
+    s8 = s8 * (1 + torch.rand(s8.shape, generator=g))  # scales of any value, not only powers of two
+    kv_b = dequantize_fp8(w8, s8, torch.float32).view(h, nope + v, r)
+    proj = SimpleNamespace(is_fp8=fp8, weight=w8 if fp8 else kv_b.reshape(-1, r).to(torch.bfloat16),
+                           weight_scale_inv=s8 if fp8 else None)
+    ix = SimpleNamespace(topk_pools=8, softmax_scale=0.125, index_kpool_compress_ape=torch.zeros(4, 16))
+    stored = proj.weight.float().view(h, nope + v, r) if not fp8 else kv_b
+    attn = SimpleNamespace(num_heads=h, nope_dim=nope, v_dim=v, kv_b_proj=proj, kpool=4, indexer=ix, scale=0.1,
+                           absorbed_weights=lambda: (stored[:, :nope], stored[:, nope:]))
+    w = DsaWeights.of(attn, torch.bfloat16)
+    aligned = fp8 and nope % 128 == 0
+    assert (w.w_uk.dtype == FP8_DTYPE) == aligned and (w.w_uv_t_scale is not None) == aligned
+    uk, uv_t = w.dense()
+    want_uk, want_uv_t = stored[:, :nope], stored[:, nope:].transpose(1, 2)
+    tol = 0 if aligned else 4e-3  # the widened form rounds to bf16
+    assert rel(uk, want_uk) <= tol and rel(uv_t, want_uv_t) <= tol
+
+
 # ---------------------------------------------------------------- the stage against the stock module
 def _stage_inputs(attn, config, rows, q, contexts, pad_rows, bs=16, seed=9):
     """Projections, metadata and a random-context cache for `rows` decode rows of `q` tokens."""
@@ -374,14 +441,16 @@ def test_kernels_equal_stock_attention_on_a_prefill_step(tiny_fp32, tiny_dir, mo
 # ---------------------------------------------------------------- GPU, real shapes
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
-@pytest.mark.parametrize("rows,q,context", [(1, 1, 8192), (7, 1, 3000), (64, 1, 8192), (3, 4, 20000),
-                                            (2, 1, 131072)])
-def test_real_shapes_bf16_against_fp32(rows, q, context):
+@pytest.mark.parametrize("rows,q,context,weights", [(1, 1, 8192, "bf16"), (7, 1, 3000, "bf16"), (64, 1, 8192, "bf16"),
+                                                    (3, 4, 20000, "bf16"), (2, 1, 131072, "bf16"),
+                                                    (1, 1, 8192, "fp8"), (64, 1, 8192, "fp8")])
+def test_real_shapes_bf16_against_fp32(rows, q, context, weights):
+    """bf16 caches and queries, W_UK / W_UV^T in bf16 or as FP8 with block scales, against the fp32 reference."""
     dev, kp, bs, k = "cuda", 4, 64, 512
     h, n, r, v, hi, d = 64, 256, 512, 256, 32, 128
     width = -(-(context + q) // bs)
     blocks = rows * width + 1
-    w = random_layer(h, n, r, v, kp, k, dev, torch.bfloat16)
+    w = random_layer(h, n, r, v, kp, k, dev, torch.bfloat16 if weights == "bf16" else FP8_DTYPE)
     latent, pooled = random_caches(blocks, bs, r, d, kp, dev, torch.bfloat16)
     positions = [context + j for _ in range(rows) for j in range(q)]
     seqs = [i for i in range(rows) for _ in range(q)]
@@ -402,7 +471,7 @@ def test_real_shapes_bf16_against_fp32(rows, q, context):
     sel, count = select_pools(scores, pos, slot, kp, k, plan)
     want_sel, want_count = select_pools_reference(scores, pos, slot, kp, k)
     assert torch.equal(sel, want_sel) and torch.equal(count, want_count)  # same scores: same pools
-    w32 = DsaWeights(w.w_uk.float(), w.w_uv_t.float(), kp, k, w.scale, w.index_scale)
+    w32 = DsaWeights(*w.dense(), kp, k, w.scale, w.index_scale)
     ref = sparse_attention_reference(qq.float(), sel, count, pos, slot, seq, tables, latent.float(), w32)
     # The planned attention, and the other forms: one split (the context written by the attention itself)
     # and smaller head groups.

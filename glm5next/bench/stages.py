@@ -271,8 +271,8 @@ def dsa_case(model, m: int, context: int = DSA_CASE_CONTEXT, copies: int | None 
     decode rows over `context` cached tokens of random prior context each: the stage against the stock
     `SparseMLA.attention`, both on the projections of one random input per layer. The bytes are the
     stage's floor: each row's visible pooled keys and selected latent rows (the tail included), and
-    W_UK / W_UV in the model dtype; the weights are copied past the L2 where they fit it (`copies`
-    instances of each layer in all, at most 8, where given)."""
+    W_UK / W_UV as the stage reads them (FP8 with their scales where the checkpoint is); the weights are
+    copied past the L2 where they fit it (`copies` instances of each layer in all, at most 8, where given)."""
     cfg, dev, dt = model.config, model.embed_tokens.device, model.embed_tokens.dtype
     gen = torch.Generator(device=dev).manual_seed(m + 7)
     layers = [layer.self_attn for layer in model.layers if layer.layer_kind == DSA and DsaStage.supports(layer.self_attn)]
@@ -285,7 +285,8 @@ def dsa_case(model, m: int, context: int = DSA_CASE_CONTEXT, copies: int | None 
         stage, c = DsaStage(attn, dt), cache.dsa[attn.layer_idx]
         pools = (context + 1) // attn.kpool
         rows = min(pools, stage.weights.topk_pools) * attn.kpool + attn.kpool - 1
-        total += (_nbytes(stage.weights.w_uk, stage.weights.w_uv_t)
+        w = stage.weights
+        total += (_nbytes(w.w_uk, w.w_uv_t, w.w_uk_scale, w.w_uv_t_scale)
                   + m * (pools * c.pooled_key.shape[-1] + rows * c.latent.shape[-1]) * c.latent.element_size())
         calls.append((attn, stage, attn.project(x), c))
     per = total // max(len(calls), 1)

@@ -7,8 +7,9 @@ Choice: "sparse". Replaces `SparseMLA.attention` for those steps and returns wha
 [T, H, v] fp32 (the o_proj's input once cast) and, when asked, the selection [T, topk_pools] int64
 padded with -1 — the same pools as the stock top-k (ties to the lower pool), in ascending order rather
 than best first. It runs `SparseMLA.attention_on_kernels` (`glm5next.kernels.dsa`: cache writes, scores,
-selection, attention, value-up) with W_UK and W_UV^T widened from kv_b_proj once, at build, into the model
-dtype, a scratch the captured graph keeps, and a plan per token count. Padded rows write only the scratch
+selection, attention, value-up) with W_UK and W_UV^T taken from kv_b_proj once, at build (the checkpoint's
+FP8 bytes and block scales as they are, or widened into the model dtype where kv_b_proj is not FP8), a
+scratch the captured graph keeps, and a plan per token count. Padded rows write only the scratch
 block and get zero values.
 """
 

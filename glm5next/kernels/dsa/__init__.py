@@ -17,6 +17,7 @@ import triton
 from .attention import attend_kernel, head_product_kernel, merge_splits_kernel
 from .cache import write_cache_kernel
 from .indexer import index_scores_kernel, indexer_inputs_kernel, select_pools_kernel
+from ...checkpoint.fp8 import FP8_DTYPE, dequantize_fp8
 from .reference import (dsa_decode_reference, index_scores_reference, indexer_inputs_reference,
                         select_pools_reference, sparse_attention_reference)
 
@@ -28,8 +29,8 @@ __all__ = ["DsaPlan", "DsaScratch", "DsaWeights", "IndexerInputWeights", "dsa_de
 @dataclass(frozen=True)
 class DsaWeights:
     """One DSA layer's attention constants as the kernels read them, prepared once: `W_UK` [H, nope, R]
-    and `W_UV^T` [H, R, v] (contiguous, in the model dtype), the softmax scales, the pool sizes and the
-    pools' position embedding."""
+    and `W_UV^T` [H, R, v] (contiguous; in the model dtype, or the checkpoint's FP8 with their 128 x 128
+    block scales), the softmax scales, the pool sizes and the pools' position embedding."""
 
     w_uk: torch.Tensor
     w_uv_t: torch.Tensor
@@ -41,19 +42,47 @@ class DsaWeights:
     """The indexer's dot scale (inside its ReLU)."""
     ape: torch.Tensor | None = None
     """The KPool compression's position embedding [kpool, d] fp32 (what `write_cache` pools keys with)."""
+    w_uk_scale: torch.Tensor | None = None
+    """FP8 `w_uk`'s block scales [H, cdiv(nope, 128), cdiv(R, 128)] fp32 (None: `w_uk` is not FP8)."""
+    w_uv_t_scale: torch.Tensor | None = None
+    """FP8 `w_uv_t`'s block scales [H, cdiv(R, 128), cdiv(v, 128)] fp32."""
+
+    def __post_init__(self) -> None:
+        for w, s in ((self.w_uk, self.w_uk_scale), (self.w_uv_t, self.w_uv_t_scale)):
+            if (w.dtype == FP8_DTYPE) != (s is not None):
+                raise ValueError("DSA weights: FP8 W_UK / W_UV^T need their block scales, other dtypes none")
+            if s is not None and (s.dtype != torch.float32 or not s.is_contiguous()
+                                  or s.shape != (w.shape[0], -(-w.shape[1] // 128), -(-w.shape[2] // 128))):
+                raise ValueError(f"DSA weights: block scales {tuple(s.shape)} {s.dtype} for a weight "
+                                 f"{tuple(w.shape)} (want [H, cdiv(K, 128), cdiv(N, 128)] fp32, contiguous)")
 
     @property
     def num_heads(self) -> int:
         return self.w_uk.shape[0]
 
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`W_UK` and `W_UV^T` in fp32 (FP8 ones times their block scales): what the references read."""
+        return tuple(w.float() if s is None else dequantize_fp8(w, s, torch.float32)
+                     for w, s in ((self.w_uk, self.w_uk_scale), (self.w_uv_t, self.w_uv_t_scale)))
+
     @classmethod
     def of(cls, attn, dtype: torch.dtype) -> "DsaWeights":
-        """The constants of a `glm5next.model.dsa.SparseMLA` (this rank's heads), its kv_b_proj widened
-        to `dtype` once."""
+        """The constants of a `glm5next.model.dsa.SparseMLA` (this rank's heads). An FP8 kv_b_proj whose
+        per-head row blocks (nope, then v rows) start on its 128-row scale blocks stays FP8: each head's
+        `W_UK` is its nope rows with their scales, `W_UV^T` its v rows transposed (bytes and scale grid);
+        any other kv_b_proj is widened to `dtype` once."""
+        h, nope, v = attn.num_heads, attn.nope_dim, attn.v_dim
+        proj = attn.kv_b_proj
+        common = (attn.kpool, attn.indexer.topk_pools, float(attn.scale), float(attn.indexer.softmax_scale),
+                  attn.indexer.index_kpool_compress_ape.float().contiguous())
+        if proj.is_fp8 and nope % 128 == 0 and v % 128 == 0:
+            w = proj.weight.view(h, nope + v, -1)
+            s = proj.weight_scale_inv.float().view(h, (nope + v) // 128, -1)
+            return cls(w[:, :nope].contiguous(), w[:, nope:].transpose(1, 2).contiguous(), *common,
+                       w_uk_scale=s[:, : nope // 128].contiguous(),
+                       w_uv_t_scale=s[:, nope // 128:].transpose(1, 2).contiguous())
         w_uk, w_uv = attn.absorbed_weights()
-        return cls(w_uk.to(dtype).contiguous(), w_uv.transpose(1, 2).to(dtype).contiguous(), attn.kpool,
-                   attn.indexer.topk_pools, float(attn.scale), float(attn.indexer.softmax_scale),
-                   attn.indexer.index_kpool_compress_ape.float().contiguous())
+        return cls(w_uk.to(dtype).contiguous(), w_uv.transpose(1, 2).to(dtype).contiguous(), *common)
 
 
 @dataclass(frozen=True)
@@ -357,9 +386,13 @@ def sparse_attention(q: torch.Tensor, selection: torch.Tensor, count: torch.Tens
     splits = plan.kv_splits
     ieee = _fp32_products(latent)
     qlat = scratch.get("qlat", (t, h, r), latent.dtype, dev)
+    scaled = w.w_uk_scale is not None, w.w_uv_t_scale is not None
+    if (scaled[0] and 128 % plan.block_k + 128 % plan.block_r) or (scaled[1] and 128 % plan.up_block_k + 128 % plan.block_v):
+        raise ValueError(f"FP8 W_UK / W_UV^T need tiles that divide their 128 x 128 scale blocks, got {plan}")
     head_product_kernel[(h, triton.cdiv(r, plan.block_r))](  # absorb: q @ W_UK
-        q, q.stride(0), q.stride(1), slots, w.w_uk, qlat, t, h, n, r,
-        BLOCK_M=plan.block_m, BLOCK_K=plan.block_k, BLOCK_N=plan.block_r, IEEE=ieee, num_warps=plan.num_warps)
+        q, q.stride(0), q.stride(1), slots, w.w_uk, w.w_uk_scale, qlat, t, h, n, r,
+        BLOCK_M=plan.block_m, BLOCK_K=plan.block_k, BLOCK_N=plan.block_r, SCALED=scaled[0], IEEE=ieee,
+        num_warps=plan.num_warps)
     ctx = scratch.get("ctx", (t, h, r), latent.dtype, dev)
     if splits > 1:
         acc = scratch.get("acc", (t, h, splits, r), torch.float32, dev)
@@ -384,8 +417,8 @@ def sparse_attention(q: torch.Tensor, selection: torch.Tensor, count: torch.Tens
     if out.shape != (t, h, v) or not out.is_contiguous():
         raise ValueError(f"values must be [{t}, {h}, {v}] contiguous")
     head_product_kernel[(h, triton.cdiv(v, plan.block_v))](  # value-up: context @ W_UV^T
-        ctx, h * r, r, slots, w.w_uv_t, out, t, h, r, v, BLOCK_M=min(64, plan.block_m), BLOCK_K=plan.up_block_k,
-        BLOCK_N=plan.block_v, IEEE=ieee, num_warps=plan.num_warps)
+        ctx, h * r, r, slots, w.w_uv_t, w.w_uv_t_scale, out, t, h, r, v, BLOCK_M=min(64, plan.block_m),
+        BLOCK_K=plan.up_block_k, BLOCK_N=plan.block_v, SCALED=scaled[1], IEEE=ieee, num_warps=plan.num_warps)
     return out
 
 

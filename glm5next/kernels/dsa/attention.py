@@ -2,6 +2,8 @@
 
 `head_product_kernel` — grid (heads, output blocks): `out[t, h] = x[t, h] @ W[h]` for every token of the
 step at once (each head's W block read once per BLOCK_M tokens; fp32 accumulation, padding tokens zeros).
+W is 16/32-bit, or the checkpoint's FP8 with its 128 x 128 block scales (SCALED): each K step's FP8 tile
+widens exactly to x's dtype, and its product times the tile's block scale joins the fp32 sum.
 It makes the absorbed queries `q_lat[t, h] = q[t, h] @ W_UK[h]` [T, H, R] in the latent cache's dtype, and
 the value-up `context @ W_UV[h]^T` [T, H, V] fp32 (from `W_UV^T` [H, R, V]).
 
@@ -36,13 +38,15 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 @triton.jit
 def head_product_kernel(
-    x_ptr, s_xt, s_xh, slot_ptr, w_ptr, out_ptr, T, H, K, N,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    x_ptr, s_xt, s_xh, slot_ptr, w_ptr, scale_ptr, out_ptr, T, H, K, N,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, SCALED: tl.constexpr, IEEE: tl.constexpr,
 ):
     """x [T, H, K] (row stride s_xt, head stride s_xh, unit channel stride); slots [T] (negative: padding);
-    W [H, K, N] contiguous; out [T, H, N] contiguous (its dtype: the products' rounding)."""
+    W [H, K, N] contiguous; SCALED: W FP8 and its block scales [H, cdiv(K, 128), cdiv(N, 128)] fp32
+    (BLOCK_K and BLOCK_N divide 128); out [T, H, N] contiguous (its dtype: the products' rounding)."""
     h = tl.program_id(0)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = tl.program_id(1) * BLOCK_N
+    n = n0 + tl.arange(0, BLOCK_N)
     nok = n < N
     for m0 in range(0, T, BLOCK_M):
         t = m0 + tl.arange(0, BLOCK_M)
@@ -55,7 +59,11 @@ def head_product_kernel(
             x = tl.load(x_ptr + t[:, None] * s_xt + h * s_xh + k[None, :], mask=live[:, None] & kok[None, :],
                         other=0.0)
             w = tl.load(w_ptr + (h * K + k[:, None]) * N + n[None, :], mask=kok[:, None] & nok[None, :], other=0.0)
-            acc += _dot(x.to(w.dtype), w, IEEE)
+            if SCALED:
+                sc = tl.load(scale_ptr + (h * tl.cdiv(K, 128) + k0 // 128) * tl.cdiv(N, 128) + n0 // 128)
+                acc += _dot(x, w.to(x.dtype), IEEE) * sc
+            else:
+                acc += _dot(x.to(w.dtype), w, IEEE)
         acc = tl.where(live[:, None], acc, 0.0)
         tl.store(out_ptr + (t[:, None] * H + h) * N + n[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=tok[:, None] & nok[None, :])

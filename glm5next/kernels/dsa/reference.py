@@ -65,7 +65,7 @@ def sparse_attention_reference(q, selection, count, positions, slots, token_to_s
     v = w.w_uv_t.shape[2]
     out = torch.empty(t, h, v, dtype=torch.float32, device=q.device) if out is None else out
     flat = latent.reshape(-1, latent.shape[-1]).float()
-    w_uk, w_uv_t = w.w_uk.float(), w.w_uv_t.float()
+    w_uk, w_uv_t = w.dense()
     for i in range(t):
         if int(slots[i]) < 0:
             out[i] = 0
