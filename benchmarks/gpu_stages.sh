@@ -22,12 +22,6 @@
 # and DSA stages at 1-64 tokens against their floors, stock and peers, the step against the package of $BASE.
 # PART=22: the three stages' tables alone (moe_stage / kda_stage / dsa_stage at 1-64 tokens with the stock module,
 # the input of stage_tables.py on a GPU kind without tables).
-# PART=23: s47's untimed forms, kept in history (a41cb1a: the DSA row-table attend and per-block merge, f096d2a: the
-# selection's early stop, 5d9804f: the KDA conv's taps row by row), against this checkout, each unpacked beforehand
-# with its tests and the selection benchmark: for B in a41cb1a f096d2a 5d9804f; do mkdir -p benchmarks/.b/$B; git
-# archive $B glm5next tests pyproject.toml benchmarks/dsa_select.py | tar -x -C benchmarks/.b/$B; done. The KDA stage
-# here and on 5d9804f, the DSA stage kernel by kernel here and on a41cb1a, the selection here and on f096d2a (tied
-# and tie-free scores). PART=24: each of those forms' DSA and KDA GPU tests.
 # PART=25: s48's FP8 W_UK / W_UV^T against the package of $BASE, the attention's and KDA's plans, the step against
 # the package of $BASE0 (both unpacked in benchmarks/.b/ as PART=9 says).
 # PART=15: the DSA selection alone (dsa_select.py) and the DSA stage, here and on the package of commit $BASE
@@ -157,19 +151,6 @@ run moe-stage 120 python benchmarks/moe_stage.py --tokens 1,2,4,8,16,32,64 --out
 run kda-stage 60 python benchmarks/kda_stage.py --tokens 1,2,4,8,16,32,64 --verify 16x4 --out "$OUT/kda-stage.json"
 run dsa-stage 90 python benchmarks/dsa_stage.py --contexts 8192,131072 --tokens 1,2,4,8,16,32,64 --verify "" \
   --out "$OUT/dsa-stage.json"
-elif [ "${PART:-1}" = 23 ]; then
-K=(--tokens 1,2,4,8,16,32,64 --verify 16x4)
-run kda-stage-main 45 python benchmarks/kda_stage.py "${K[@]}" --out "$OUT/kda-stage-main.json"
-(cd benchmarks/.b/5d9804f && PYTHONPATH=.:/tmp/site run kda-stage-taps 45 python ../../kda_stage.py "${K[@]}" \
-  --out "$OUT/kda-stage-taps.json")
-A=(--contexts 8192,131072 --tokens 1,2,4,8,16,64 --verify "" --no-stock --profile)
-run dsa-stage-main 90 python benchmarks/dsa_stage.py "${A[@]}" --out "$OUT/dsa-stage-main.json"
-(cd benchmarks/.b/a41cb1a && PYTHONPATH=.:/tmp/site run dsa-stage-rows 90 python ../../dsa_stage.py "${A[@]}" \
-  --out "$OUT/dsa-stage-rows.json")
-run dsa-select-main 60 python benchmarks/.b/f096d2a/benchmarks/dsa_select.py --variants "" \
-  --out "$OUT/dsa-select-main.json"
-(cd benchmarks/.b/f096d2a && PYTHONPATH=.:/tmp/site run dsa-select-early 60 python benchmarks/dsa_select.py \
-  --variants "" --out "$OUT/dsa-select-early.json")
 elif [ "${PART:-1}" = 25 ]; then
 # s48: W_UK / W_UV^T read as the checkpoint's FP8 with block scales, against the package of $BASE (the widened
 # bf16 form) and its dsa_stage.py, unpacked beforehand: git archive $BASE glm5next benchmarks/dsa_stage.py | tar
@@ -188,11 +169,6 @@ run kda-plans 40 python benchmarks/kda_stage.py --tokens 1,2,4,8,16 --verify "" 
 run profile 100 python benchmarks/profile_step.py --tokens 1,2,8,64 --out "$OUT/profile.json"
 (cd "benchmarks/.b/$BASE0" && cp ../../profile_step.py . && PYTHONPATH=.:/tmp/site run "profile-$BASE0" 100 python \
   profile_step.py --tokens 1,2,8,64 --out "$OUT/profile-base.json")
-elif [ "${PART:-1}" = 24 ]; then
-for B in a41cb1a f096d2a 5d9804f; do
-  (cd "benchmarks/.b/$B" && PYTHONPATH=.:/tmp/site run "tests-$B" 120 python -m pytest -q -m gpu -rfE --tb=short \
-    tests/test_kernels_dsa.py tests/test_kernels_kda.py)
-done
 elif [ "${PART:-1}" = 5 ]; then
 run e2e 540 python -m glm5next.bench.cli --mode specialized --tokens 1,4,16,64 --concurrency 1,4,16,64 \
   --skip-eager --skip-graph --mixed-budgets 512,2048,8192 --out "$OUT/e2e.json"
