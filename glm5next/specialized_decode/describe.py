@@ -105,17 +105,21 @@ def stage_launches(w: dict, config: Glm5NextConfig, stage: str, choice: str, T: 
         p = plan_dsa(T, h, pools, config.index_topk_pools, config.index_kpool, sms)
         groups = -(-h // p.heads_per_program)
         r, v = config.kv_lora_rank, config.v_head_dim
+        # W_UK / W_UV stay the checkpoint's FP8 where each head's rows start on kv_b_proj's scale blocks.
+        weights = "fp8" if config.qk_nope_head_dim % 128 == 0 and v % 128 == 0 else "widened"
         return [dict(launch="write_cache", grid=(T,), pooled_keys="of the pools the step completes"),
                 dict(launch="index_scores", grid=(T, p.score_splits), block_p=p.block_p, warps=p.num_warps),
                 *[dict(launch="select_pools", grid=(T, chunks), block=block, warps=p.select_warps,
                        threshold="bitwise", level="final" if chunks == 1 else "chunks")
                   for _, chunks, block in select_levels(pools, config.index_topk_pools, p.select_chunk)],
-                dict(launch="absorb", grid=(h, -(-r // p.block_r)), block=(p.block_m, p.block_k, p.block_r)),
+                dict(launch="absorb", grid=(h, -(-r // p.block_r)), block=(p.block_m, p.block_k, p.block_r),
+                     weights=weights),
                 dict(launch="attend", grid=(T, groups, p.kv_splits), heads=p.heads_per_program, block_n=p.block_n,
                      warps=p.attend_warps)] + \
             ([dict(launch="merge_splits", grid=(T, h, -(-r // p.merge_block_r)), block_r=p.merge_block_r)]
              if p.kv_splits > 1 else []) + \
-            [dict(launch="value_up", grid=(h, -(-v // p.block_v)), block_v=p.block_v, block_k=p.up_block_k)]
+            [dict(launch="value_up", grid=(h, -(-v // p.block_v)), block_v=p.block_v, block_k=p.up_block_k,
+                  weights=weights)]
     if stage == "moe":
         if not any(config.moe_layers):
             return []
