@@ -24,8 +24,8 @@
 # the input of stage_tables.py on a GPU kind without tables).
 # PART=25: s48's FP8 W_UK / W_UV^T against the package of $BASE, the attention's and KDA's plans, the step against
 # the package of $BASE0 (both unpacked in benchmarks/.b/ as PART=9 says).
-# PART=26: the attend's 64-row iterations above 16 tokens (GPU tests, the stage against 32-row ones); on an H200
-# PART=22's tables after it.
+# PART=26: the attend's 64-row iterations above 16 tokens, after git revert 4b05e1c (GPU tests, the stage against
+# 32-row ones); on an H200 PART=22's tables after it.
 # PART=15: the DSA selection alone (dsa_select.py) and the DSA stage, here and on the package of commit $BASE
 # unpacked in benchmarks/.b/$BASE (as PART=9 says), with the selection's GPU tests.
 # A fresh machine compiles every kernel first: the first part run there needs the longest limits. Logs
@@ -172,8 +172,8 @@ run profile 100 python benchmarks/profile_step.py --tokens 1,2,8,64 --out "$OUT/
 (cd "benchmarks/.b/$BASE0" && cp ../../profile_step.py . && PYTHONPATH=.:/tmp/site run "profile-$BASE0" 100 python \
   profile_step.py --tokens 1,2,8,64 --out "$OUT/profile-base.json")
 elif [ "${PART:-1}" = 26 ]; then
-# s48: the attend's 64-row iterations above 16 tokens (the DSA GPU tests, the stage against 32-row iterations
-# at 16-64 tokens); on a GPU kind without its own tables, PART=22's stage tables after it.
+# s48: the attend's 64-row iterations above 16 tokens, re-applied first (git revert 4b05e1c: backed out untested) (the
+# DSA GPU tests, the stage against 32-row iterations at 16-64 tokens); on an H200, PART=22's stage tables after it.
 run dsa-tests 120 python -m pytest -q -m gpu -rfE --tb=short tests/test_kernels_dsa.py
 run dsa-block-n 60 python benchmarks/dsa_stage.py --contexts 8192,131072 --tokens 16,32,64 --verify "" --no-stock \
   --attend 64/32/8 --out "$OUT/dsa-block-n.json"
