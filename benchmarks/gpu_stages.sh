@@ -26,6 +26,8 @@
 # the package of $BASE0 (both unpacked in benchmarks/.b/ as PART=9 says).
 # PART=26: the attend's 64-row iterations above 16 tokens, after git revert 4b05e1c (GPU tests, the stage against
 # 32-row ones); on an H200 PART=22's tables after it.
+# PART=27: s48's untimed early absorb (git revert c3e214a first) against the package of BASE=c3e214a, with the
+# DSA GPU tests.
 # PART=15: the DSA selection alone (dsa_select.py) and the DSA stage, here and on the package of commit $BASE
 # unpacked in benchmarks/.b/$BASE (as PART=9 says), with the selection's GPU tests.
 # A fresh machine compiles every kernel first: the first part run there needs the longest limits. Logs
@@ -183,6 +185,15 @@ if grep -q H200 /tmp/gpu.txt; then
   run dsa-stage 90 python benchmarks/dsa_stage.py --contexts 8192,131072 --tokens 1,2,4,8,16,32,64 --verify "" \
     --out "$OUT/dsa-stage.json"
 fi
+elif [ "${PART:-1}" = 27 ]; then
+# s48's untimed early absorb (a programmatic dependent of the selection's last level, beside it), re-applied first
+# (git revert c3e214a): the DSA GPU tests, then the stage kernel by kernel here and on the package of BASE=c3e214a
+# (git archive c3e214a glm5next | tar -x -C benchmarks/.b/c3e214a).
+run dsa-tests 120 python -m pytest -q -m gpu -rfE --tb=short tests/test_kernels_dsa.py
+A=(--contexts 8192,131072 --tokens 1,2,4,8,16,64 --verify "" --no-stock --profile)
+run dsa-stage-early 80 python benchmarks/dsa_stage.py "${A[@]}" --out "$OUT/dsa-stage-early.json"
+(cd "benchmarks/.b/$BASE" && PYTHONPATH=.:/tmp/site run dsa-stage-base 80 python ../../dsa_stage.py "${A[@]}" \
+  --out "$OUT/dsa-stage-base.json")
 elif [ "${PART:-1}" = 5 ]; then
 run e2e 540 python -m glm5next.bench.cli --mode specialized --tokens 1,4,16,64 --concurrency 1,4,16,64 \
   --skip-eager --skip-graph --mixed-budgets 512,2048,8192 --out "$OUT/e2e.json"
