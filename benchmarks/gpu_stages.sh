@@ -22,8 +22,6 @@
 # and DSA stages at 1-64 tokens against their floors, stock and peers, the step against the package of $BASE.
 # PART=22: the three stages' tables alone (moe_stage / kda_stage / dsa_stage at 1-64 tokens with the stock module,
 # the input of stage_tables.py on a GPU kind without tables).
-# PART=25: s48's FP8 W_UK / W_UV^T against the package of $BASE, the attention's and KDA's plans, the step against
-# the package of $BASE0 (both unpacked in benchmarks/.b/ as PART=9 says).
 # PART=26: the attend's 64-row iterations above 16 tokens, after git revert 4b05e1c (GPU tests, the stage against
 # 32-row ones); on an H200 PART=22's tables after it.
 # PART=27: s48's untimed early absorb (git revert c3e214a first) against the package of BASE=c3e214a, with the
@@ -155,24 +153,6 @@ run moe-stage 120 python benchmarks/moe_stage.py --tokens 1,2,4,8,16,32,64 --out
 run kda-stage 60 python benchmarks/kda_stage.py --tokens 1,2,4,8,16,32,64 --verify 16x4 --out "$OUT/kda-stage.json"
 run dsa-stage 90 python benchmarks/dsa_stage.py --contexts 8192,131072 --tokens 1,2,4,8,16,32,64 --verify "" \
   --out "$OUT/dsa-stage.json"
-elif [ "${PART:-1}" = 25 ]; then
-# s48: W_UK / W_UV^T read as the checkpoint's FP8 with block scales, against the package of $BASE (the widened
-# bf16 form) and its dsa_stage.py, unpacked beforehand: git archive $BASE glm5next benchmarks/dsa_stage.py | tar
-# -x -C benchmarks/.b/$BASE; then the attention's and the KDA's plans over the
-# forms that landed in s48, and the step here and on $BASE0 (the package before s48's forms), also unpacked.
-run dsa-tests 150 python -m pytest -q -m gpu -rfE --tb=short tests/test_kernels_dsa.py
-A=(--contexts 8192,131072 --tokens 1,2,4,8,16,64 --verify "" --no-stock --profile)
-run dsa-stage-fp8 80 python benchmarks/dsa_stage.py "${A[@]}" --out "$OUT/dsa-stage-fp8.json"
-(cd "benchmarks/.b/$BASE" && PYTHONPATH=.:/tmp/site run dsa-stage-bf16 80 python benchmarks/dsa_stage.py "${A[@]}" \
-  --out "$OUT/dsa-stage-bf16.json")
-run dsa-plans 90 python benchmarks/dsa_stage.py --contexts 8192 --tokens 1,4,16,64 --verify "" --no-stock \
-  --attend 64/64/8,64/16/8,32/32/4,32/32/8,16/32/4 \
-  --plans "block_v=64;up_block_k=128;block_v=64,up_block_k=128;block_k=128;block_r=64" --out "$OUT/dsa-plans.json"
-run kda-plans 40 python benchmarks/kda_stage.py --tokens 1,2,4,8,16 --verify "" --block-v 32,64,128 --warps 4,8 \
-  --out "$OUT/kda-plans.json"
-run profile 100 python benchmarks/profile_step.py --tokens 1,2,8,64 --out "$OUT/profile.json"
-(cd "benchmarks/.b/$BASE0" && cp ../../profile_step.py . && PYTHONPATH=.:/tmp/site run "profile-$BASE0" 100 python \
-  profile_step.py --tokens 1,2,8,64 --out "$OUT/profile-base.json")
 elif [ "${PART:-1}" = 26 ]; then
 # s48: the attend's 64-row iterations above 16 tokens, re-applied first (git revert 4b05e1c: backed out untested) (the
 # DSA GPU tests, the stage against 32-row iterations at 16-64 tokens); on an H200, PART=22's stage tables after it.
