@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from ...checkpoint.fp8 import FP8_DTYPE, dequantize_fp8
 from .attention import attend_kernel, head_product_kernel, merge_splits_kernel
 from .cache import write_cache_kernel
 from .indexer import index_scores_kernel, indexer_inputs_kernel, select_pools_kernel
-from ...checkpoint.fp8 import FP8_DTYPE, dequantize_fp8
 from .reference import (dsa_decode_reference, index_scores_reference, indexer_inputs_reference,
                         select_pools_reference, sparse_attention_reference)
 
@@ -387,7 +387,8 @@ def sparse_attention(q: torch.Tensor, selection: torch.Tensor, count: torch.Tens
     ieee = _fp32_products(latent)
     qlat = scratch.get("qlat", (t, h, r), latent.dtype, dev)
     scaled = w.w_uk_scale is not None, w.w_uv_t_scale is not None
-    if (scaled[0] and 128 % plan.block_k + 128 % plan.block_r) or (scaled[1] and 128 % plan.up_block_k + 128 % plan.block_v):
+    tiles = (plan.block_k, plan.block_r) * scaled[0] + (plan.up_block_k, plan.block_v) * scaled[1]
+    if any(128 % b for b in tiles):
         raise ValueError(f"FP8 W_UK / W_UV^T need tiles that divide their 128 x 128 scale blocks, got {plan}")
     head_product_kernel[(h, triton.cdiv(r, plan.block_r))](  # absorb: q @ W_UK
         q, q.stride(0), q.stride(1), slots, w.w_uk, w.w_uk_scale, qlat, t, h, n, r,
