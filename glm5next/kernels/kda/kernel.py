@@ -44,7 +44,7 @@ def _conv_row(conv_base, pre_ptr, stride, chan, pch, row, src, Q: tl.constexpr, 
 
 @triton.jit
 def _conv_silu(conv_base, conv_w_ptr, pre_ptr, stride, chan, pch, row, t, Q: tl.constexpr, KEEP: tl.constexpr,
-               TAPS: tl.constexpr, dtype: tl.constexpr):
+               dtype: tl.constexpr):
     """SiLU of the causal conv of channels `chan` at token t, fp32, rounded to `dtype` (as stock rounds it): the
     taps one row of channels at a time, in one layout (no exchange between threads)."""
     a = tl.zeros(chan.shape, tl.float32)
@@ -55,8 +55,7 @@ def _conv_silu(conv_base, conv_w_ptr, pre_ptr, stride, chan, pch, row, t, Q: tl.
 
 
 @triton.jit
-def _advance_window(conv_base, pre_ptr, stride, chan, pch, row, Q: tl.constexpr, KEEP: tl.constexpr,
-                    TAPS: tl.constexpr):
+def _advance_window(conv_base, pre_ptr, stride, chan, pch, row, Q: tl.constexpr, KEEP: tl.constexpr):
     """The conv window of channels `chan` after the step: its last KEEP pre-conv rows. Rows still in the old
     window move down first (column i takes column i + Q, read before written), then the step's rows."""
     dt = conv_base.dtype.element_ty
@@ -109,9 +108,9 @@ def _finish_window(conv_base, win_ptr, s_win, q_ptr, k_ptr, v_ptr, sq, sk, sv, s
             _save_window(conv_base, win_base, s_win, k_ptr, sk, HK + pk, pk, row, Q, KEEP, TAPS)
             _save_window(conv_base, win_base, s_win, v_ptr, sv, 2 * HK + pv, pv, row, Q, KEEP, TAPS)
         else:
-            _advance_window(conv_base, q_ptr, sq, pk, pk, row, Q, KEEP, TAPS)
-            _advance_window(conv_base, k_ptr, sk, HK + pk, pk, row, Q, KEEP, TAPS)
-            _advance_window(conv_base, v_ptr, sv, 2 * HK + pv, pv, row, Q, KEEP, TAPS)
+            _advance_window(conv_base, q_ptr, sq, pk, pk, row, Q, KEEP)
+            _advance_window(conv_base, k_ptr, sk, HK + pk, pk, row, Q, KEEP)
+            _advance_window(conv_base, v_ptr, sv, 2 * HK + pv, pv, row, Q, KEEP)
 
 
 @triton.jit
@@ -155,9 +154,9 @@ def kda_decode_kernel(
 
     for t in range(Q):
         tok = row * Q + t
-        aq = _conv_silu(conv_base, conv_w_ptr, q_ptr, sq, cq, h * K + kk, row, t, Q, KEEP, TAPS, dtype)
-        ak = _conv_silu(conv_base, conv_w_ptr, k_ptr, sk, ck, h * K + kk, row, t, Q, KEEP, TAPS, dtype)
-        av = _conv_silu(conv_base, conv_w_ptr, v_ptr, sv, cv, h * V + vv, row, t, Q, KEEP, TAPS, dtype)
+        aq = _conv_silu(conv_base, conv_w_ptr, q_ptr, sq, cq, h * K + kk, row, t, Q, KEEP, dtype)
+        ak = _conv_silu(conv_base, conv_w_ptr, k_ptr, sk, ck, h * K + kk, row, t, Q, KEEP, dtype)
+        av = _conv_silu(conv_base, conv_w_ptr, v_ptr, sv, cv, h * V + vv, row, t, Q, KEEP, dtype)
         qn = aq / tl.sqrt(tl.sum(aq * aq, 0) + l2_eps) * scale
         kn = ak / tl.sqrt(tl.sum(ak * ak, 0) + l2_eps)
         raw = tl.load(f_ptr + tok * sf + h * K + kk).to(tl.float32) + dt

@@ -106,6 +106,20 @@ def _gate_up_block(x_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr, e, p, rmask, pi
 
 
 @triton.jit
+def _slot_rows(slot_expert_ptr, slot_start_ptr, slot_count_ptr, slot):
+    """Slot `slot`'s expert (-1: the shared one), the first of its rows in the row list and their count."""
+    return tl.load(slot_expert_ptr + slot), tl.load(slot_start_ptr + slot), tl.load(slot_count_ptr + slot)
+
+
+@triton.jit
+def _row_block(rows_ptr, start, count, m0, BLOCK_M: tl.constexpr):
+    """The slot's rows m0 .. m0 + BLOCK_M - 1 (its pairs p, 0 past `count`) and their mask."""
+    r = m0 + tl.arange(0, BLOCK_M)
+    rmask = r < count
+    return tl.load(rows_ptr + start + r, mask=rmask, other=0), rmask
+
+
+@triton.jit
 def gate_up_kernel(x_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr,
                    slot_expert_ptr, slot_start_ptr, slot_count_ptr, rows_ptr, n_slots_ptr,
                    shared_wg, shared_wu, shared_sg, shared_su,
@@ -128,13 +142,9 @@ def gate_up_kernel(x_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr,
         wait_previous()
     if slot >= tl.load(n_slots_ptr):
         return
-    e = tl.load(slot_expert_ptr + slot)
-    start = tl.load(slot_start_ptr + slot)
-    count = tl.load(slot_count_ptr + slot)
+    e, start, count = _slot_rows(slot_expert_ptr, slot_start_ptr, slot_count_ptr, slot)
     for m0 in range(0, count, BLOCK_M):
-        r = m0 + tl.arange(0, BLOCK_M)
-        rmask = r < count
-        p = tl.load(rows_ptr + start + r, mask=rmask, other=0)
+        p, rmask = _row_block(rows_ptr, start, count, m0, BLOCK_M)
         _gate_up_block(x_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr, e, p, rmask, pid_n,
                        shared_wg, shared_wu, shared_sg, shared_su, T, N, K, stride_x, limit,
                        TOP_K, HAS_SCALE, F32, HALF, BLOCK_M, BLOCK_N, BLOCK_K)
@@ -199,13 +209,9 @@ def down_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, y_ptr,
         wait_previous()
     if slot >= tl.load(n_slots_ptr):
         return
-    e = tl.load(slot_expert_ptr + slot)
-    start = tl.load(slot_start_ptr + slot)
-    count = tl.load(slot_count_ptr + slot)
+    e, start, count = _slot_rows(slot_expert_ptr, slot_start_ptr, slot_count_ptr, slot)
     for m0 in range(0, count, BLOCK_M):
-        r = m0 + tl.arange(0, BLOCK_M)
-        rmask = r < count
-        p = tl.load(rows_ptr + start + r, mask=rmask, other=0)
+        p, rmask = _row_block(rows_ptr, start, count, m0, BLOCK_M)
         _down_block(h_ptr, w_ptr, s_ptr, weights_ptr, y_ptr, e, p, rmask, pid_n, shared_w, shared_s, T, N, K,
                     TOP_K, HAS_SCALE, F32, HALF, BLOCK_M, BLOCK_N, BLOCK_K)
 
