@@ -84,7 +84,7 @@ def cases() -> list[tuple[str, str, object, dict, dict, int, int]]:
     att = {n: "*i64" for n in ("sel_ptr", "pos_ptr", "slot_ptr", "seq_ptr")}
     att.update(qlat_ptr="*bf16", lat_ptr="*bf16", count_ptr="*i32", tab_ptr="*i32", rows_ptr="*i32", acc_ptr="*fp32",
                ml_ptr="*fp32")
-    for heads, bn, warps, chunk in ((16, 32, 4, 64), (64, 32, 8, 2048)):  # one token (33 splits), 64 (2) (plan_dsa)
+    for heads, bn, warps, chunk in ((16, 32, 4, 64), (64, 64, 8, 2048)):  # one token (33 splits), 64 (2) (plan_dsa)
         out.append(("dsa", f"attend {heads} heads BLOCK_N {bn} {warps} warps", dsa_attention.attend_kernel, att,
                     dict(KS=512, KP=4, BS=64, HEADS=heads, RP=512, BLOCK_N=bn, CHUNK=chunk, SPLIT=True, IEEE=False),
                     warps, 3))

@@ -164,7 +164,9 @@ def plan_dsa(tokens: int, heads: int, n_pools: int, topk_pools: int, kpool: int,
     (bench/results/2026-12-06-h100-dsa-attention-splits.log): up to 4 tokens, 16 heads a program (4 warps)
     and two programs an SM; above, all 64 heads a program (8 warps, one program an SM: its registers and
     shared memory hold one); splits of at least 64 selected rows. At 8K context: 42 / 56 / 92 / 207 us at
-    1 / 4 / 16 / 64 tokens against 47 / 56 / 96 / 289 for the plan before."""
+    1 / 4 / 16 / 64 tokens against 47 / 56 / 96 / 289 for the plan before. With the row-table attend (s48,
+    H100, bench/results/2026-12-07-h100-dsa-plans-s48.json), 64 selected rows an iteration above 16 tokens:
+    151.6 against 161.0 us at 64 tokens, 75.3 against 75.1 at 16 (32 rows kept there and below)."""
     block_p = 64
     score_splits = max(1, min(-(-2 * sms // tokens), -(-n_pools // block_p)))
     heads_per_program = _pow2(heads)
@@ -186,7 +188,8 @@ def plan_dsa(tokens: int, heads: int, n_pools: int, topk_pools: int, kpool: int,
     select_chunk = min((2048 if narrow else 4096) if on_gpu else 16, _pow2(n_pools))
     p = dict(score_splits=score_splits, block_p=block_p, select_chunk=select_chunk,
              select_warps=8 if on_gpu and select_chunk >= 2048 else 4,
-             heads_per_program=heads_per_program, kv_splits=kv_splits, block_n=32 if on_gpu else 64,
+             heads_per_program=heads_per_program, kv_splits=kv_splits,
+             block_n=(64 if tokens > 16 else 32) if on_gpu else 64,
              attend_warps=8 if heads_per_program >= 64 else 4,
              block_m=min(64, _pow2(tokens)), block_k=64 if on_gpu else 32, block_r=128 if on_gpu else 64,
              block_v=32, up_block_k=64, merge_block_r=128 if on_gpu else 64)
