@@ -93,11 +93,16 @@ def cases() -> list[tuple[str, str, object, dict, dict, int, int]]:
         for name, bk, bn in (("absorb", 64, 128), ("value-up", 64, 32)):
             out.append(("dsa", f"{name} {tag} BLOCK_K {bk} BLOCK_N {bn}", dsa_attention.head_product_kernel,
                         {**hp, "out_ptr": "*bf16" if name == "absorb" else "*fp32"},
-                        dict(BLOCK_M=64, BLOCK_K=bk, BLOCK_N=bn, SCALED=tag == "fp8", IEEE=False), 4, 3))
+                        dict(BLOCK_M=64, BLOCK_K=bk, BLOCK_N=bn, SCALED=tag == "fp8", IEEE=False, EARLY=False), 4, 3))
+    out.append(("dsa", "absorb fp8, early (beside the selection)", dsa_attention.head_product_kernel,
+                dict(x_ptr="*bf16", slot_ptr="*i64", w_ptr="*fp8e4nv", scale_ptr="*fp32", out_ptr="*bf16"),
+                dict(BLOCK_M=16, BLOCK_K=64, BLOCK_N=128, SCALED=True, IEEE=False, EARLY=True), 4, 3))
     sel = dict(src_ptr="*fp32", src_key_ptr="*fp32", pos_ptr="*i64", slot_ptr="*i64", dst_ptr="*i64", dst_key_ptr="*i64",
                count_ptr="*i32")
-    out.append(("dsa", "select 4096 entries, final level", dsa_indexer.select_pools_kernel, sel,
-                dict(K=512, KP=4, BLOCK=4096, W=512, WB=512, KB=512, FROM_SCORES=True, FINAL=True), 8, 3))
+    for pdl in (False, True):
+        out.append(("dsa", "select 4096 entries, final level" + (", PDL" if pdl else ""), dsa_indexer.select_pools_kernel,
+                    sel, dict(K=512, KP=4, BLOCK=4096, W=512, WB=512, KB=512, FROM_SCORES=True, FINAL=True, PDL=pdl),
+                    8, 3))
     return out
 
 

@@ -15,6 +15,7 @@ import torch
 import triton
 
 from ...checkpoint.fp8 import FP8_DTYPE, dequantize_fp8
+from .. import pdl as _pdl
 from .attention import attend_kernel, head_product_kernel, merge_splits_kernel
 from .cache import write_cache_kernel
 from .indexer import index_scores_kernel, indexer_inputs_kernel, select_pools_kernel
@@ -358,7 +359,7 @@ def select_pools(scores: torch.Tensor, positions: torch.Tensor, slots: torch.Ten
         select_pools_kernel[(t, chunks)](
             src, src_key, positions, slots, dst, dst_key, count, s_src, s_dst, n, K=k, KP=kpool, BLOCK=block, W=w,
             WB=triton.next_power_of_2(w), KB=triton.next_power_of_2(k), FROM_SCORES=level == 0, FINAL=final,
-            num_warps=plan.select_warps)
+            PDL=final and _pdl.enabled(scores.device), num_warps=plan.select_warps)
         src, src_key, s_src = dst, dst_key, s_dst
     return out, count
 
@@ -393,10 +394,13 @@ def sparse_attention(q: torch.Tensor, selection: torch.Tensor, count: torch.Tens
     tiles = (plan.block_k, plan.block_r) * scaled[0] + (plan.up_block_k, plan.block_v) * scaled[1]
     if any(128 % b for b in tiles):
         raise ValueError(f"FP8 W_UK / W_UV^T need tiles that divide their 128 x 128 scale blocks, got {plan}")
+    # The absorb reads nothing the selection writes: a programmatic dependent of it, it runs beside the
+    # selection's last level (a program a token) on the SMs that level leaves idle.
+    early = {"EARLY": True, "launch_pdl": True} if _pdl.enabled(dev) else {}
     head_product_kernel[(h, triton.cdiv(r, plan.block_r))](  # absorb: q @ W_UK
         q, q.stride(0), q.stride(1), slots, w.w_uk, w.w_uk_scale, qlat, t, h, n, r,
         BLOCK_M=plan.block_m, BLOCK_K=plan.block_k, BLOCK_N=plan.block_r, SCALED=scaled[0], IEEE=ieee,
-        num_warps=plan.num_warps)
+        num_warps=plan.num_warps, **early)
     ctx = scratch.get("ctx", (t, h, r), latent.dtype, dev)
     if splits > 1:
         acc = scratch.get("acc", (t, h, splits, r), torch.float32, dev)

@@ -26,6 +26,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..pdl import wait_previous
+
 
 @triton.jit
 def _dot(a, b, IEEE: tl.constexpr):
@@ -40,10 +42,13 @@ def _dot(a, b, IEEE: tl.constexpr):
 def head_product_kernel(
     x_ptr, s_xt, s_xh, slot_ptr, w_ptr, scale_ptr, out_ptr, T, H, K, N,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, SCALED: tl.constexpr, IEEE: tl.constexpr,
+    EARLY: tl.constexpr = False,
 ):
     """x [T, H, K] (row stride s_xt, head stride s_xh, unit channel stride); slots [T] (negative: padding);
     W [H, K, N] contiguous; SCALED: W FP8 and its block scales [H, cdiv(K, 128), cdiv(N, 128)] fp32
-    (BLOCK_K and BLOCK_N divide 128); out [T, H, N] contiguous (its dtype: the products' rounding)."""
+    (BLOCK_K and BLOCK_N divide 128); out [T, H, N] contiguous (its dtype: the products' rounding).
+    EARLY (a programmatic-dependent launch whose inputs the kernel before it does not write): it runs beside
+    that kernel and waits for it only at its end, so that whatever follows sees both done."""
     h = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
     n = n0 + tl.arange(0, BLOCK_N)
@@ -67,6 +72,8 @@ def head_product_kernel(
         acc = tl.where(live[:, None], acc, 0.0)
         tl.store(out_ptr + (t[:, None] * H + h) * N + n[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=tok[:, None] & nok[None, :])
+    if EARLY:
+        wait_previous()
 
 
 @triton.jit

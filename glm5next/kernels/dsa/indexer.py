@@ -42,6 +42,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..pdl import launch_dependents
+
 
 @triton.jit
 def _visible_pools(pos_ptr, slot_ptr, t, n_pools, KP: tl.constexpr):
@@ -130,9 +132,11 @@ def _top(key, ok, K: tl.constexpr):
 def select_pools_kernel(
     src_ptr, src_key_ptr, pos_ptr, slot_ptr, dst_ptr, dst_key_ptr, count_ptr, s_src, s_dst, n_src,
     K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr, W: tl.constexpr, WB: tl.constexpr, KB: tl.constexpr,
-    FROM_SCORES: tl.constexpr, FINAL: tl.constexpr,
+    FROM_SCORES: tl.constexpr, FINAL: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """One level of the selection; program (t, c) takes entries [c * BLOCK, (c + 1) * BLOCK) of token t.
+    PDL: the launch after it (the absorb, which reads nothing this writes) may start at once, on the SMs
+    this level leaves idle.
 
     FROM_SCORES: the entries are the scores [T, n_src] fp32 at `src_ptr` (row stride s_src, n_src the
     block table's pools), those of the token's visible pools only; else the candidates of the level
@@ -141,6 +145,8 @@ def select_pools_kernel(
     `dst_ptr` (row stride s_dst), the kept pools ascending then -1, and count [T] int32; else the chunk's
     top min(K, its entries) into [T, chunks * W] int32 at `dst_ptr` (pools, -1 after them) and
     `dst_key_ptr` (keys), W = min(BLOCK, K) slots a chunk (row stride s_dst)."""
+    if PDL:
+        launch_dependents()
     t = tl.program_id(0)
     c = tl.program_id(1)
     i = c * BLOCK + tl.arange(0, BLOCK)
