@@ -26,8 +26,10 @@
 # 32-row ones); on an H200 PART=22's tables after it.
 # PART=27: s48's untimed early absorb (git revert c3e214a first) against the package of BASE=c3e214a, with the
 # DSA GPU tests.
-# PART=28: s49's KDA state prefetch (GPU tests, the stage at distances 0 / 132 / 528 beside the shipped one), then
-# PART=26 and PART=27's DSA leads in one call (BASE = the commit before the early absorb).
+# PART=28: s49's KDA state prefetch and hoisted reads (GPU tests, the stage at distances 0 / 132 / 528 beside the
+# shipped one, the stage of the package of KBASE), then
+# PART=26 and PART=27's DSA leads in one call (BASE = the commit before the early absorb), then ncu's SASS
+# stalls of the one-row KDA launch.
 # PART=15: the DSA selection alone (dsa_select.py) and the DSA stage, here and on the package of commit $BASE
 # unpacked in benchmarks/.b/$BASE (as PART=9 says), with the selection's GPU tests.
 # A fresh machine compiles every kernel first: the first part run there needs the longest limits. Logs
@@ -183,6 +185,9 @@ elif [ "${PART:-1}" = 28 ]; then
 run kda-tests 150 python -m pytest -q -m gpu -rfE --tb=short tests/test_kernels_kda.py
 run kda-stage 110 python benchmarks/kda_stage.py --tokens 1,2,4,8,16,32,64 --verify 16x4 --ahead 0,132,528 \
   --out "$OUT/kda-stage.json"
+# the KDA stage of s48's package (KBASE, its own benchmark: git archive KBASE glm5next benchmarks)
+(cd "benchmarks/.b/$KBASE" && PYTHONPATH=.:/tmp/site run kda-stage-base 80 python benchmarks/kda_stage.py \
+  --tokens 1,2,4,8,16,32,64 --verify 16x4 --out "$OUT/kda-stage-base.json")
 run dsa-tests 120 python -m pytest -q -m gpu -rfE --tb=short tests/test_kernels_dsa.py
 run dsa-block-n 60 python benchmarks/dsa_stage.py --contexts 8192,131072 --tokens 16,32,64 --verify "" --no-stock \
   --attend 64/32/8 --out "$OUT/dsa-block-n.json"
@@ -190,6 +195,8 @@ A=(--contexts 8192,131072 --tokens 1,2,4,8 --verify "" --no-stock --profile)
 run dsa-stage-early 70 python benchmarks/dsa_stage.py "${A[@]}" --out "$OUT/dsa-stage-early.json"
 (cd "benchmarks/.b/$BASE" && PYTHONPATH=.:/tmp/site run dsa-stage-base 70 python ../../dsa_stage.py "${A[@]}" \
   --out "$OUT/dsa-stage-base.json")
+# Where the one-row KDA launch waits: its SASS with the sampled stalls.
+ONLY=kda-ours KDA_ROWS=1 SOURCE=1 run ncu-kda 150 bash benchmarks/ncu_kernels.sh
 elif [ "${PART:-1}" = 5 ]; then
 run e2e 540 python -m glm5next.bench.cli --mode specialized --tokens 1,4,16,64 --concurrency 1,4,16,64 \
   --skip-eager --skip-graph --mixed-budgets 512,2048,8192 --out "$OUT/e2e.json"

@@ -45,14 +45,19 @@ def _conv_row(conv_base, pre_ptr, stride, chan, pch, row, src, Q: tl.constexpr, 
 
 
 @triton.jit
-def _conv_silu(conv_base, conv_w_ptr, pre_ptr, stride, chan, pch, row, t, Q: tl.constexpr, KEEP: tl.constexpr,
-               dtype: tl.constexpr):
-    """SiLU of the causal conv of channels `chan` at token t, fp32, rounded to `dtype` (as stock rounds it): the
-    taps one row of channels at a time, in one layout (no exchange between threads)."""
+def _conv(conv_base, conv_w_ptr, pre_ptr, stride, chan, pch, row, t, Q: tl.constexpr, KEEP: tl.constexpr):
+    """The causal conv of channels `chan` at token t, fp32, before its SiLU: the taps one row of channels at a
+    time, in one layout (no exchange between threads)."""
     a = tl.zeros(chan.shape, tl.float32)
     for i in tl.static_range(KEEP + 1):
         w = tl.load(conv_w_ptr + chan * (KEEP + 1) + i).to(tl.float32)
         a += w * _conv_row(conv_base, pre_ptr, stride, chan, pch, row, t - KEEP + i, Q, KEEP)
+    return a
+
+
+@triton.jit
+def _silu(a, dtype: tl.constexpr):
+    """SiLU in fp32, rounded to `dtype` (as stock rounds it)."""
     return (a * tl.sigmoid(a)).to(dtype).to(tl.float32)
 
 
@@ -116,20 +121,24 @@ def _finish_window(conv_base, win_ptr, s_win, q_ptr, k_ptr, v_ptr, sq, sk, sv, s
 
 
 @triton.jit
-def _prefetch_later(state_ptr, index_ptr, row, h, j, ahead, H, HK, K: tl.constexpr, V: tl.constexpr,
-                    BLOCK_V: tl.constexpr, NV: tl.constexpr):
-    """Ask L2 for the state block of the program `ahead` places after (row, h, j) in launch order (the
-    grid's first axis fastest), if there is one and its row is not padding."""
+def _later_state(state_ptr, index_ptr, row, h, j, ahead, H, HK, K: tl.constexpr, V: tl.constexpr,
+                 BLOCK_V: tl.constexpr, NV: tl.constexpr):
+    """The state block of the program `ahead` places after (row, h, j) in launch order (the grid's first axis
+    fastest) as pieces to prefetch: their addresses, whether there is such a program and its row is not
+    padding, and the bytes of a piece. One program a head: 16 pieces of its contiguous block (each piece one
+    bulk prefetch, issued one distinct address at a time); value blocks: one a key row."""
     rows = tl.num_programs(0)
     later = row + rows * (h + H * j) + ahead
-    if later < rows * H * NV:
-        r2 = later % rows
-        h2 = (later // rows) % H
-        j2 = later // (rows * H)
-        i2 = tl.load(index_ptr + r2).to(tl.int64)
-        kk = tl.arange(0, K)
-        base = state_ptr + tl.maximum(i2, 0) * HK * V + h2 * K * V + j2 * BLOCK_V
-        prefetch_l2(base + kk * V, BLOCK_V * 4, i2 >= 0)
+    there = later < rows * H * NV
+    i2 = tl.load(index_ptr + later % rows, mask=there, other=-1).to(tl.int64)
+    h2 = (later // rows) % H
+    j2 = later // (rows * H)
+    base = state_ptr + tl.maximum(i2, 0) * HK * V + h2 * K * V + j2 * BLOCK_V
+    if NV == 1:
+        piece: tl.constexpr = K * V // 16
+        return base + tl.arange(0, 16) * piece, there & (i2 >= 0), piece * 4
+    else:
+        return base + tl.arange(0, K) * V, there & (i2 >= 0), BLOCK_V * 4
 
 
 @triton.jit
@@ -160,6 +169,8 @@ def kda_decode_kernel(
     kk = tl.arange(0, K)
     vv = j * BLOCK_V + tl.arange(0, BLOCK_V)
     index = tl.load(index_ptr + row).to(tl.int64)
+    if PREFETCH:  # its slot read beside this program's own
+        later, there, nbytes = _later_state(state_ptr, index_ptr, row, h, j, ahead, H, HK, K, V, BLOCK_V, NV)
     live = index >= 0  # padding rows (negative index) write zeros and touch no state
     slot = tl.maximum(index, 0)
     cq = h * K + kk  # the head's q channels, and their projection columns
@@ -171,27 +182,33 @@ def kda_decode_kernel(
     sp = state_ptr + slot * HK * V + h * K * V + kk[:, None] * V + vv[None, :]
     s = tl.load(sp, mask=live, other=0.0)
     if PREFETCH:
-        _prefetch_later(state_ptr, index_ptr, row, h, j, ahead, H, HK, K, V, BLOCK_V, NV)
+        prefetch_l2(later, nbytes, there)
     conv_base = conv_ptr + slot * (3 * HK) * KEEP
     part_base = part_ptr + (row * Q * H + h) * NV + j
 
     for t in range(Q):
         tok = row * Q + t
-        aq = _conv_silu(conv_base, conv_w_ptr, q_ptr, sq, cq, h * K + kk, row, t, Q, KEEP, dtype)
-        ak = _conv_silu(conv_base, conv_w_ptr, k_ptr, sk, ck, h * K + kk, row, t, Q, KEEP, dtype)
-        av = _conv_silu(conv_base, conv_w_ptr, v_ptr, sv, cv, h * V + vv, row, t, Q, KEEP, dtype)
+        # Every read of the token's inputs before any of them is used: a layout exchange between threads (a
+        # CTA barrier) between two reads would hold the second until the first has arrived.
+        cq_ = _conv(conv_base, conv_w_ptr, q_ptr, sq, cq, h * K + kk, row, t, Q, KEEP)
+        ck_ = _conv(conv_base, conv_w_ptr, k_ptr, sk, ck, h * K + kk, row, t, Q, KEEP)
+        cv_ = _conv(conv_base, conv_w_ptr, v_ptr, sv, cv, h * V + vv, row, t, Q, KEEP)
+        raw = tl.load(f_ptr + tok * sf + h * K + kk).to(tl.float32) + dt
+        b_raw = tl.load(b_ptr + tok * sb + h).to(tl.float32)
+        gate = tl.load(g_ptr + tok * sg + h * V + vv).to(tl.float32)
+        aq = _silu(cq_, dtype)
+        ak = _silu(ck_, dtype)
+        av = _silu(cv_, dtype)
         qn = aq / tl.sqrt(tl.sum(aq * aq, 0) + l2_eps) * scale
         kn = ak / tl.sqrt(tl.sum(ak * ak, 0) + l2_eps)
-        raw = tl.load(f_ptr + tok * sf + h * K + kk).to(tl.float32) + dt
         gk = lower_bound * tl.sigmoid(rate * raw)
-        beta = tl.sigmoid(tl.load(b_ptr + tok * sb + h).to(tl.float32)).to(dtype).to(tl.float32)
+        beta = tl.sigmoid(b_raw).to(dtype).to(tl.float32)
 
         s = _decay_write(s, kn, gk, beta, av)
         o = tl.sum(s * qn[:, None], 0).to(dtype)
         of = o.to(tl.float32)
         if NV == 1:  # the whole head here: normalise at once
             rstd = 1.0 / tl.sqrt(tl.sum(of * of, 0) / V + eps)
-            gate = tl.load(g_ptr + tok * sg + h * V + vv).to(tl.float32)
             y = tl.where(live, of * rstd * w_norm * tl.sigmoid(gate), 0.0)
             tl.store(out_ptr + tok * HV + h * V + vv, y.to(dtype))
         else:
