@@ -22,14 +22,6 @@
 # and DSA stages at 1-64 tokens against their floors, stock and peers, the step against the package of $BASE.
 # PART=22: the three stages' tables alone (moe_stage / kda_stage / dsa_stage at 1-64 tokens with the stock module,
 # the input of stage_tables.py on a GPU kind without tables).
-# PART=26: the attend's 64-row iterations above 16 tokens, after git revert 4b05e1c (GPU tests, the stage against
-# 32-row ones); on an H200 PART=22's tables after it.
-# PART=27: s48's untimed early absorb (git revert c3e214a first) against the package of BASE=c3e214a, with the
-# DSA GPU tests.
-# PART=28: s49's KDA state prefetch and hoisted reads (GPU tests, the stage at distances 0 / 132 / 528 beside the
-# shipped one, the stage of the package of KBASE), then
-# PART=26 and PART=27's DSA leads in one call (BASE = the commit before the early absorb), then ncu's SASS
-# stalls of the one-row KDA launch.
 # PART=15: the DSA selection alone (dsa_select.py) and the DSA stage, here and on the package of commit $BASE
 # unpacked in benchmarks/.b/$BASE (as PART=9 says), with the selection's GPU tests.
 # A fresh machine compiles every kernel first: the first part run there needs the longest limits. Logs
@@ -157,46 +149,6 @@ run moe-stage 120 python benchmarks/moe_stage.py --tokens 1,2,4,8,16,32,64 --out
 run kda-stage 60 python benchmarks/kda_stage.py --tokens 1,2,4,8,16,32,64 --verify 16x4 --out "$OUT/kda-stage.json"
 run dsa-stage 90 python benchmarks/dsa_stage.py --contexts 8192,131072 --tokens 1,2,4,8,16,32,64 --verify "" \
   --out "$OUT/dsa-stage.json"
-elif [ "${PART:-1}" = 26 ]; then
-# s48: the attend's 64-row iterations above 16 tokens, re-applied first (git revert 4b05e1c: backed out untested) (the
-# DSA GPU tests, the stage against 32-row iterations at 16-64 tokens); on an H200, PART=22's stage tables after it.
-run dsa-tests 120 python -m pytest -q -m gpu -rfE --tb=short tests/test_kernels_dsa.py
-run dsa-block-n 60 python benchmarks/dsa_stage.py --contexts 8192,131072 --tokens 16,32,64 --verify "" --no-stock \
-  --attend 64/32/8 --out "$OUT/dsa-block-n.json"
-if grep -q H200 /tmp/gpu.txt; then
-  run moe-stage 120 python benchmarks/moe_stage.py --tokens 1,2,4,8,16,32,64 --out "$OUT/moe-stage.json"
-  run kda-stage 50 python benchmarks/kda_stage.py --tokens 1,2,4,8,16,32,64 --verify "" --out "$OUT/kda-stage.json"
-  run dsa-stage 90 python benchmarks/dsa_stage.py --contexts 8192,131072 --tokens 1,2,4,8,16,32,64 --verify "" \
-    --out "$OUT/dsa-stage.json"
-fi
-elif [ "${PART:-1}" = 27 ]; then
-# s48's untimed early absorb (a programmatic dependent of the selection's last level, beside it), re-applied first
-# (git revert c3e214a): the DSA GPU tests, then the stage kernel by kernel here and on the package of BASE=c3e214a
-# (git archive c3e214a glm5next | tar -x -C benchmarks/.b/c3e214a).
-run dsa-tests 120 python -m pytest -q -m gpu -rfE --tb=short tests/test_kernels_dsa.py
-A=(--contexts 8192,131072 --tokens 1,2,4,8,16,64 --verify "" --no-stock --profile)
-run dsa-stage-early 80 python benchmarks/dsa_stage.py "${A[@]}" --out "$OUT/dsa-stage-early.json"
-(cd "benchmarks/.b/$BASE" && PYTHONPATH=.:/tmp/site run dsa-stage-base 80 python ../../dsa_stage.py "${A[@]}" \
-  --out "$OUT/dsa-stage-base.json")
-elif [ "${PART:-1}" = 28 ]; then
-# s49: the KDA state prefetch (its GPU tests, the stage with the shipped plan and with other distances, 0 = none,
-# in one process), then s48's two DSA leads re-applied (the DSA GPU tests; the attend's 64-row iterations against
-# 32 at 16-64 tokens; the early absorb against the package of BASE, the commit before it, unpacked as PART=9 says).
-run kda-tests 150 python -m pytest -q -m gpu -rfE --tb=short tests/test_kernels_kda.py
-run kda-stage 110 python benchmarks/kda_stage.py --tokens 1,2,4,8,16,32,64 --verify 16x4 --ahead 0,132,528 \
-  --out "$OUT/kda-stage.json"
-# the KDA stage of s48's package (KBASE, its own benchmark: git archive KBASE glm5next benchmarks)
-(cd "benchmarks/.b/$KBASE" && PYTHONPATH=.:/tmp/site run kda-stage-base 80 python benchmarks/kda_stage.py \
-  --tokens 1,2,4,8,16,32,64 --verify 16x4 --out "$OUT/kda-stage-base.json")
-run dsa-tests 120 python -m pytest -q -m gpu -rfE --tb=short tests/test_kernels_dsa.py
-run dsa-block-n 60 python benchmarks/dsa_stage.py --contexts 8192,131072 --tokens 16,32,64 --verify "" --no-stock \
-  --attend 64/32/8 --out "$OUT/dsa-block-n.json"
-A=(--contexts 8192,131072 --tokens 1,2,4,8 --verify "" --no-stock --profile)
-run dsa-stage-early 70 python benchmarks/dsa_stage.py "${A[@]}" --out "$OUT/dsa-stage-early.json"
-(cd "benchmarks/.b/$BASE" && PYTHONPATH=.:/tmp/site run dsa-stage-base 70 python ../../dsa_stage.py "${A[@]}" \
-  --out "$OUT/dsa-stage-base.json")
-# Where the one-row KDA launch waits: its SASS with the sampled stalls.
-ONLY=kda-ours KDA_ROWS=1 SOURCE=1 run ncu-kda 150 bash benchmarks/ncu_kernels.sh
 elif [ "${PART:-1}" = 5 ]; then
 run e2e 540 python -m glm5next.bench.cli --mode specialized --tokens 1,4,16,64 --concurrency 1,4,16,64 \
   --skip-eager --skip-graph --mixed-budgets 512,2048,8192 --out "$OUT/e2e.json"

@@ -72,7 +72,6 @@ def main() -> None:
     ap.add_argument("--verify", default="2x4,4x4,16x4", help="verify steps: ROWSxQ")
     ap.add_argument("--block-v", default=None, help="also time these value blocks, e.g. 32,64,128")
     ap.add_argument("--warps", default="4", help="with --block-v: these warp counts, e.g. 4,8")
-    ap.add_argument("--ahead", default=None, help="also time these prefetch distances (KdaPlan.ahead), e.g. 0,528")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -111,7 +110,7 @@ def main() -> None:
 
         ps = [proj() for _ in range(rotate)]
         outs = [torch.empty(t, hk, dtype=torch.bfloat16, device=dev) for _ in range(rotate)]
-        plan = plan_kda(d, device=dev)
+        plan = plan_kda(d)
         ver = verify if q > 1 else None
         writes_state = q == 1
         nbytes = (rows * state_bytes * (2 if writes_state else 1) + rows * 3 * hk * keep * 2 * (2 if writes_state else 1)
@@ -129,11 +128,6 @@ def main() -> None:
         row["stage_bw_fraction"] = floor_us / row["stage_us"]
         mds = [metadata(rows, q, idx) for idx in indices]
         row["stock_us"] = median_us(lambda: [attn.mix(p, md, state) for p, md in zip(ps, mds)], rotate)
-        if args.ahead:
-            row["ahead"] = {}
-            for a in (int(x) for x in args.ahead.split(",")):
-                alt = plan_kda(d, device=dev, ahead=a)
-                row["ahead"][str(a)] = round(median_us(lambda alt=alt: stage(alt), rotate), 2)
         if args.block_v:
             row["block_v"] = {}
             for bv in (int(x) for x in args.block_v.split(",")):

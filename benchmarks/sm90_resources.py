@@ -76,11 +76,11 @@ def cases() -> list[tuple[str, str, object, dict, dict, int, int]]:
     ptrs.update({n: "*fp32" for n in ("conv_w_ptr", "a_log_ptr", "dt_bias_ptr", "norm_w_ptr", "state_ptr", "part_ptr",
                                       "vk_ptr", "vv_ptr", "vg_ptr", "vb_ptr")})
     ptrs["index_ptr"] = "*i64"
-    for block_v, warps, q, verify, pre in ((128, 4, 1, False, True), (128, 4, 1, False, False), (128, 8, 1, False, True),
-                                           (64, 4, 1, False, True), (32, 4, 1, False, True), (128, 4, 4, True, True)):
-        out.append(("kda", f"decode BLOCK_V {block_v} {warps} warps q {q}" + (" verify" if verify else "")
-                    + ("" if pre else " no prefetch"), kda.kda_decode_kernel, ptrs,
-                    dict(Q=q, K=128, V=128, KEEP=3, TAPS=4, BLOCK_V=block_v, VERIFY=verify, PREFETCH=pre), warps, 3))
+    for block_v, warps, q, verify in ((128, 4, 1, False), (128, 8, 1, False), (64, 4, 1, False), (32, 4, 1, False),
+                                      (128, 4, 4, True)):
+        out.append(("kda", f"decode BLOCK_V {block_v} {warps} warps q {q}" + (" verify" if verify else ""),
+                    kda.kda_decode_kernel, ptrs, dict(Q=q, K=128, V=128, KEEP=3, TAPS=4, BLOCK_V=block_v, VERIFY=verify),
+                    warps, 3))
     att = {n: "*i64" for n in ("sel_ptr", "pos_ptr", "slot_ptr", "seq_ptr")}
     att.update(qlat_ptr="*bf16", lat_ptr="*bf16", count_ptr="*i32", tab_ptr="*i32", rows_ptr="*i32", acc_ptr="*fp32",
                ml_ptr="*fp32")

@@ -146,9 +146,6 @@ def test_bad_shapes_are_refused():
         kda_decode(*p, conv, state, torch.tensor([0, 1]), w, 1, plan_kda(d))
     with pytest.raises(ValueError, match="block_v"):
         plan_kda(d, block_v=12)
-    with pytest.raises(ValueError, match="ahead"):
-        plan_kda(d, ahead=-1)
-    assert plan_kda(d, device=torch.device("cpu")).ahead == 0  # the interpreter has no L2 prefetch
 
 
 @pytest.mark.gpu
@@ -176,35 +173,6 @@ def test_real_shapes_bf16_against_fp32(rows, q):
         else:
             assert torch.equal(s, state) and torch.equal(c, conv)
             assert rel(verify["k"][index, :q], v_want["k"][index, :q]) < 2e-2
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs a GPU")
-@pytest.mark.parametrize("rows,q", [(9, 1), (64, 1), (5, 3)])
-def test_state_prefetch_changes_no_bit(rows, q):
-    """Programs that fetch a later program's state into L2 (the SM90 plan, and distances that reach
-    programs of the same wave, the last program and padding rows) give the outputs, caches and verify
-    scratch of the same plan without it, bit for bit."""
-    h, d, keep = 64, 128, 3
-    dev = "cuda"
-    w = random_weights(h, d, keep, device=dev)
-    p = random_step(rows * q, h, d, torch.bfloat16, dev)
-    conv, state, verify = random_cache(rows + 3, h, d, keep, qmax=q if q > 1 else 0, dtype=torch.bfloat16, device=dev)
-    index = torch.randperm(rows + 3, device=dev)[:rows]
-    index[rows // 2] = -1
-    shipped = plan_kda(d, device=torch.device(dev))
-    assert shipped.ahead > 0
-    for plan in (shipped, plan_kda(d, ahead=1), plan_kda(d, ahead=rows * h - 1), plan_kda(d, block_v=32, ahead=7)):
-        runs = []
-        for a in (plan.ahead, 0):
-            c, s = conv.clone(), state.clone()
-            v = {k: x.clone() for k, x in verify.items()} if verify else None
-            out = torch.full((rows * q, h * d), float("nan"), dtype=torch.bfloat16, device=dev)
-            kda_decode(*p, c, s, index, w, q, plan_kda(d, plan.block_v, ahead=a), v, out=out)
-            runs.append([out, c, s] + ([v[k] for k in sorted(v)] if v else []))
-        torch.cuda.synchronize()
-        assert not runs[0][0].isnan().any()
-        assert all(torch.equal(x, y) for x, y in zip(*runs)), plan
 
 
 @pytest.mark.gpu

@@ -25,7 +25,7 @@ class KdaStage:
         self.attn = attn
         self.weights = KdaWeights.of(attn, KDA_L2_EPS)
         self.scratch = KdaScratch()
-        self.launch = plan_kda(attn.head_dim, device=attn.A_log.device)
+        self.launch = plan_kda(attn.head_dim)
 
     @staticmethod
     def supports(attn: KimiDeltaAttention) -> bool:

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ..pdl import enabled as _sm90
 from .kernel import kda_commit_kernel, kda_decode_kernel
 from .reference import kda_decode_reference
 
@@ -44,34 +43,24 @@ class KdaWeights:
 
 @dataclass(frozen=True)
 class KdaPlan:
-    """The launch: value columns per program and warps; `ahead` > 0: each program fetches into L2 the state
-    block of the program that many places later in launch order (0: none)."""
+    """The launch: value columns per program and warps."""
 
     block_v: int
     num_warps: int = 4
-    ahead: int = 0
 
     def describe(self) -> dict:
-        return {"block_v": self.block_v, "num_warps": self.num_warps, "ahead": self.ahead}
+        return {"block_v": self.block_v, "num_warps": self.num_warps}
 
 
-def plan_kda(head_dim: int, block_v: int | None = None, num_warps: int | None = None,
-             device: torch.device | None = None, ahead: int | None = None) -> KdaPlan:
+def plan_kda(head_dim: int, block_v: int | None = None, num_warps: int | None = None) -> KdaPlan:
     """One program per (row, head): on the H100 (2026-12-06, bench/results/2026-12-06-h100-kda-stage-first.log)
     the whole head in one program was the fastest form at 2-64 rows and within noise at 1 row (latency-bound),
     against every split of the value columns, so the plan does not depend on the rows or the GPU.
-    On an SM90 `device` each program prefetches the state of the program that takes its place: two programs
-    an SM (244 registers a thread at 4 warps) places ahead. `block_v` / `num_warps` / `ahead` override
-    (benchmarks, tests)."""
+    `block_v` / `num_warps` override (benchmarks, tests)."""
     block_v = head_dim if block_v is None else block_v
     if head_dim % block_v or block_v & (block_v - 1):
         raise ValueError(f"block_v={block_v} must be a power of two dividing head_dim={head_dim}")
-    if ahead is None:
-        on = device is not None and _sm90(device)
-        ahead = 2 * torch.cuda.get_device_properties(device).multi_processor_count if on else 0
-    if ahead < 0:
-        raise ValueError(f"ahead={ahead} must be >= 0")
-    return KdaPlan(block_v, num_warps or 4, ahead)
+    return KdaPlan(block_v, num_warps or 4)
 
 
 def _scratch(rows: int, tokens: int, heads: int, nv: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,9 +140,9 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: torch.Tenso
         q, k, v, b, f, g, q.stride(0), k.stride(0), v.stride(0), b.stride(0), f.stride(0), g.stride(0),
         conv, w.conv, w.a_log, w.dt_bias, w.norm, state, index, out, part, count,
         win, vk, vv, vg, vb, s_win, s_vq,
-        h, w.lower_bound, w.eps, d**-0.5, w.l2_eps, plan.ahead,
+        h, w.lower_bound, w.eps, d**-0.5, w.l2_eps,
         Q=tokens_per_row, K=d, V=d, KEEP=keep, TAPS=triton.next_power_of_2(keep + 1), BLOCK_V=plan.block_v,
-        VERIFY=verify is not None, PREFETCH=plan.ahead > 0, num_warps=plan.num_warps)
+        VERIFY=verify is not None, num_warps=plan.num_warps)
     return out
 
 

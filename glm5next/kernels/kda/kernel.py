@@ -30,8 +30,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..pdl import prefetch_l2
-
 
 @triton.jit
 def _conv_row(conv_base, pre_ptr, stride, chan, pch, row, src, Q: tl.constexpr, KEEP: tl.constexpr):
@@ -121,43 +119,20 @@ def _finish_window(conv_base, win_ptr, s_win, q_ptr, k_ptr, v_ptr, sq, sk, sv, s
 
 
 @triton.jit
-def _later_state(state_ptr, index_ptr, row, h, j, ahead, H, HK, K: tl.constexpr, V: tl.constexpr,
-                 BLOCK_V: tl.constexpr, NV: tl.constexpr):
-    """The state block of the program `ahead` places after (row, h, j) in launch order (the grid's first axis
-    fastest) as pieces to prefetch: their addresses, whether there is such a program and its row is not
-    padding, and the bytes of a piece. One program a head: 16 pieces of its contiguous block (each piece one
-    bulk prefetch, issued one distinct address at a time); value blocks: one a key row."""
-    rows = tl.num_programs(0)
-    later = row + rows * (h + H * j) + ahead
-    there = later < rows * H * NV
-    i2 = tl.load(index_ptr + later % rows, mask=there, other=-1).to(tl.int64)
-    h2 = (later // rows) % H
-    j2 = later // (rows * H)
-    base = state_ptr + tl.maximum(i2, 0) * HK * V + h2 * K * V + j2 * BLOCK_V
-    if NV == 1:
-        piece: tl.constexpr = K * V // 16
-        return base + tl.arange(0, 16) * piece, there & (i2 >= 0), piece * 4
-    else:
-        return base + tl.arange(0, K) * V, there & (i2 >= 0), BLOCK_V * 4
-
-
-@triton.jit
 def kda_decode_kernel(
     q_ptr, k_ptr, v_ptr, b_ptr, f_ptr, g_ptr, sq, sk, sv, sb, sf, sg,
     conv_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, norm_w_ptr,
     state_ptr, index_ptr, out_ptr, part_ptr, count_ptr,
     win_ptr, vk_ptr, vv_ptr, vg_ptr, vb_ptr, s_win, s_vq,
-    H, lower_bound, eps, scale, l2_eps, ahead,
+    H, lower_bound, eps, scale, l2_eps,
     Q: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KEEP: tl.constexpr, TAPS: tl.constexpr,
-    BLOCK_V: tl.constexpr, VERIFY: tl.constexpr, PREFETCH: tl.constexpr,
+    BLOCK_V: tl.constexpr, VERIFY: tl.constexpr,
 ):
     """Grid (rows, H, V // BLOCK_V); see the module docstring. Projection inputs [rows * Q, width] with
     row strides sq..sg; conv window [slots, 3HK, KEEP] (q | k | v channels); conv taps [3HK, KEEP + 1]
     fp32; state [slots, H, K, V] fp32; out [rows * Q, H * V]; part [rows * Q, H, V // BLOCK_V] fp32 and
     count [rows, H] int32 (zero, and left zero) are scratch where BLOCK_V < V (one program per head needs
-    neither). PREFETCH (SM90): the program `ahead` places later in launch order (the one that takes this
-    program's place when the GPU holds `ahead` at once) has its state block fetched into L2 now, so that
-    a later wave's state loads do not wait on HBM while this wave computes. Verify: window [slots, 3HK, s_win], k / g [slots, s_vq, H, K], v [slots, s_vq, H, V], beta
+    neither). Verify: window [slots, 3HK, s_win], k / g [slots, s_vq, H, K], v [slots, s_vq, H, V], beta
     [slots, s_vq, H] (fp32)."""
     row = tl.program_id(0)
     h = tl.program_id(1)
@@ -169,8 +144,6 @@ def kda_decode_kernel(
     kk = tl.arange(0, K)
     vv = j * BLOCK_V + tl.arange(0, BLOCK_V)
     index = tl.load(index_ptr + row).to(tl.int64)
-    if PREFETCH:  # its slot read beside this program's own
-        later, there, nbytes = _later_state(state_ptr, index_ptr, row, h, j, ahead, H, HK, K, V, BLOCK_V, NV)
     live = index >= 0  # padding rows (negative index) write zeros and touch no state
     slot = tl.maximum(index, 0)
     cq = h * K + kk  # the head's q channels, and their projection columns
@@ -181,8 +154,6 @@ def kda_decode_kernel(
     w_norm = tl.load(norm_w_ptr + vv).to(tl.float32)
     sp = state_ptr + slot * HK * V + h * K * V + kk[:, None] * V + vv[None, :]
     s = tl.load(sp, mask=live, other=0.0)
-    if PREFETCH:
-        prefetch_l2(later, nbytes, there)
     conv_base = conv_ptr + slot * (3 * HK) * KEEP
     part_base = part_ptr + (row * Q * H + h) * NV + j
 
