@@ -74,23 +74,6 @@ def _advance_window(conv_base, pre_ptr, stride, chan, pch, row, Q: tl.constexpr,
 
 
 @triton.jit
-def _next_window(conv_base, pre_ptr, stride, chan, pch, row, KEEP: tl.constexpr, TAPS: tl.constexpr):
-    """A one-token step's new window of channels `chan`, [TAPS, C] (rows KEEP.. unused): the old window's
-    columns 1.. KEEP - 1, then the step's pre-conv row. Read with the conv's own reads, stored by
-    `_store_window` once every thread has read the old window."""
-    i = tl.arange(0, TAPS)[:, None]
-    old = tl.load(conv_base + chan[None, :] * KEEP + i + 1, mask=i + 1 < KEEP, other=0.0)
-    new = tl.load(pre_ptr + row * stride + pch)
-    return tl.where(i == KEEP - 1, new[None, :].to(old.dtype), old)
-
-
-@triton.jit
-def _store_window(conv_base, chan, window, KEEP: tl.constexpr, TAPS: tl.constexpr):
-    i = tl.arange(0, TAPS)[:, None]
-    tl.store(conv_base + chan[None, :] * KEEP + i, window, mask=i < KEEP)
-
-
-@triton.jit
 def _save_window(conv_base, win_base, s_win, pre_ptr, stride, chan, pch, row, Q: tl.constexpr,
                  KEEP: tl.constexpr, TAPS: tl.constexpr):
     """A verify step's window of channels `chan`: the old KEEP rows, then the step's Q pre-conv rows."""
@@ -171,15 +154,9 @@ def kda_decode_kernel(
     w_norm = tl.load(norm_w_ptr + vv).to(tl.float32)
     sp = state_ptr + slot * HK * V + h * K * V + kk[:, None] * V + vv[None, :]
     s = tl.load(sp, mask=live, other=0.0)
-    # The state's reads issued before the token's, not after arithmetic that waits on those (the compiler may
-    # sink loads toward their first use; it moves none across a barrier).
-    tl.debug_barrier()
     conv_base = conv_ptr + slot * (3 * HK) * KEEP
     part_base = part_ptr + (row * Q * H + h) * NV + j
 
-    # The one-token decode (one program a head) reads its next conv window with the token's inputs and stores it
-    # as soon as every thread has read the old one, not after the state's stores.
-    ONE: tl.constexpr = Q == 1 and NV == 1 and not VERIFY
     for t in range(Q):
         tok = row * Q + t
         # Every read of the token's inputs before any of them is used: a layout exchange between threads (a
@@ -190,11 +167,6 @@ def kda_decode_kernel(
         raw = tl.load(f_ptr + tok * sf + h * K + kk).to(tl.float32) + dt
         b_raw = tl.load(b_ptr + tok * sb + h).to(tl.float32)
         gate = tl.load(g_ptr + tok * sg + h * V + vv).to(tl.float32)
-        if ONE:
-            wq = _next_window(conv_base, q_ptr, sq, cq, h * K + kk, row, KEEP, TAPS)
-            wk = _next_window(conv_base, k_ptr, sk, ck, h * K + kk, row, KEEP, TAPS)
-            wv = _next_window(conv_base, v_ptr, sv, cv, h * V + vv, row, KEEP, TAPS)
-        tl.debug_barrier()  # (no read sinks below it, past the exchanges that wait on the first)
         aq = _silu(cq_, dtype)
         ak = _silu(ck_, dtype)
         av = _silu(cv_, dtype)
@@ -202,16 +174,8 @@ def kda_decode_kernel(
         kn = ak / tl.sqrt(tl.sum(ak * ak, 0) + l2_eps)
         gk = lower_bound * tl.sigmoid(rate * raw)
         beta = tl.sigmoid(b_raw).to(dtype).to(tl.float32)
-        if ONE:
-            if live:
-                tl.debug_barrier()  # every thread has read the old window
-                _store_window(conv_base, cq, wq, KEEP, TAPS)
-                _store_window(conv_base, ck, wk, KEEP, TAPS)
-                _store_window(conv_base, cv, wv, KEEP, TAPS)
 
         s = _decay_write(s, kn, gk, beta, av)
-        if Q == 1 and not VERIFY:  # the final state: its stores drain while the read-out and the norm run
-            tl.store(sp, s, mask=live)
         o = tl.sum(s * qn[:, None], 0).to(dtype)
         of = o.to(tl.float32)
         if NV == 1:  # the whole head here: normalise at once
@@ -230,14 +194,13 @@ def kda_decode_kernel(
             tl.store(vv_ptr + vbase * V + vv, av, mask=live)
             tl.store(vb_ptr + vbase, beta, mask=live & (j == 0))
 
-    if Q > 1 and not VERIFY:
+    if not VERIFY:
         tl.store(sp, s, mask=live)
 
     if NV == 1:
-        if not ONE:
-            tl.debug_barrier()  # every thread has read the old window
-            _finish_window(conv_base, win_ptr, s_win, q_ptr, k_ptr, v_ptr, sq, sk, sv, slot, row, h, HK, live,
-                           Q, K, V, KEEP, TAPS, VERIFY)
+        tl.debug_barrier()  # every thread has read the old window
+        _finish_window(conv_base, win_ptr, s_win, q_ptr, k_ptr, v_ptr, sq, sk, sv, slot, row, h, HK, live,
+                       Q, K, V, KEEP, TAPS, VERIFY)
     else:
         # The head's last program to arrive finishes it: every program's stores are released before its
         # count (CTA barrier, then a release), and acquired by the program that completes the count.
