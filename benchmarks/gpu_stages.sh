@@ -22,6 +22,8 @@
 # and DSA stages at 1-64 tokens against their floors, stock and peers, the step against the package of $BASE.
 # PART=22: the three stages' tables alone (moe_stage / kda_stage / dsa_stage at 1-64 tokens with the stock module,
 # the input of stage_tables.py on a GPU kind without tables).
+# PART=29: s49's untimed one-token KDA form (git revert 6876cdf first; BASE=6735f4e with its benchmarks unpacked in
+# benchmarks/.b/6735f4e): its GPU tests and the stage against the form before it.
 # PART=15: the DSA selection alone (dsa_select.py) and the DSA stage, here and on the package of commit $BASE
 # unpacked in benchmarks/.b/$BASE (as PART=9 says), with the selection's GPU tests.
 # A fresh machine compiles every kernel first: the first part run there needs the longest limits. Logs
@@ -149,6 +151,15 @@ run moe-stage 120 python benchmarks/moe_stage.py --tokens 1,2,4,8,16,32,64 --out
 run kda-stage 60 python benchmarks/kda_stage.py --tokens 1,2,4,8,16,32,64 --verify 16x4 --out "$OUT/kda-stage.json"
 run dsa-stage 90 python benchmarks/dsa_stage.py --contexts 8192,131072 --tokens 1,2,4,8,16,32,64 --verify "" \
   --out "$OUT/dsa-stage.json"
+elif [ "${PART:-1}" = 29 ]; then
+# s49's untimed one-token KDA form, re-applied first (git revert 6876cdf): the KDA GPU tests, then the stage here and on
+# the package of BASE (the commit before it: git archive 6735f4e glm5next benchmarks | tar -x -C benchmarks/.b/6735f4e,
+# its own benchmark), then here once more.
+run kda-tests 170 python -m pytest -q -m gpu -rfE --tb=short tests/test_kernels_kda.py
+run kda-stage 70 python benchmarks/kda_stage.py --tokens 1,2,4,8,16,32,64 --verify 16x4 --out "$OUT/kda-stage.json"
+(cd "benchmarks/.b/$BASE" && PYTHONPATH=.:/tmp/site run kda-stage-base 70 python benchmarks/kda_stage.py \
+  --tokens 1,2,4,8,16,32,64 --verify 16x4 --out "$OUT/kda-stage-base.json")
+run kda-stage-2 60 python benchmarks/kda_stage.py --tokens 1,2,8,64 --verify "" --out "$OUT/kda-stage-2.json"
 elif [ "${PART:-1}" = 5 ]; then
 run e2e 540 python -m glm5next.bench.cli --mode specialized --tokens 1,4,16,64 --concurrency 1,4,16,64 \
   --skip-eager --skip-graph --mixed-budgets 512,2048,8192 --out "$OUT/e2e.json"
