@@ -32,7 +32,7 @@ TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "cuobjdump")
 FLOATS = {"limit", "lower_bound", "eps", "scale", "l2_eps"}
 DIV16 = {"N", "K", "H", "stride_x", "sq", "sk", "sv", "sf", "sg", "sb", "s_win", "s_vq", "shared_wg", "shared_wu",
-         "shared_sg", "shared_su", "shared_w", "shared_s", "R", "s_sel", "s_tab", "s_src", "s_dst", "n_pools"}
+         "shared_sg", "shared_su", "shared_w", "shared_s", "R", "s_sel", "s_tab", "s_src", "s_dst", "n_pools", "s_xt", "s_xh"}
 """Integer arguments that are multiples of 16 at the real shapes: a launch specialises them (and every pointer,
 16-byte aligned) as divisible by 16, which changes vector widths and so registers; the compile here does too."""
 
@@ -94,6 +94,11 @@ def cases() -> list[tuple[str, str, object, dict, dict, int, int]]:
             out.append(("dsa", f"{name} {tag} BLOCK_K {bk} BLOCK_N {bn}", dsa_attention.head_product_kernel,
                         {**hp, "out_ptr": "*bf16" if name == "absorb" else "*fp32"},
                         dict(BLOCK_M=64, BLOCK_K=bk, BLOCK_N=bn, SCALED=tag == "fp8", IEEE=False, EARLY=False), 4, 3))
+    for stages in (4, 8):  # the value-up's K steps all in flight (DsaPlan.up_stages), one token and 64
+        for bm in (16, 64):
+            out.append(("dsa", f"value-up fp8 BLOCK_M {bm} {stages} stages", dsa_attention.head_product_kernel,
+                        dict(x_ptr="*bf16", slot_ptr="*i64", w_ptr="*fp8e4nv", scale_ptr="*fp32", out_ptr="*fp32"),
+                        dict(BLOCK_M=bm, BLOCK_K=64, BLOCK_N=32, SCALED=True, IEEE=False, EARLY=False), 4, stages))
     out.append(("dsa", "absorb fp8, early (beside the selection)", dsa_attention.head_product_kernel,
                 dict(x_ptr="*bf16", slot_ptr="*i64", w_ptr="*fp8e4nv", scale_ptr="*fp32", out_ptr="*bf16"),
                 dict(BLOCK_M=16, BLOCK_K=64, BLOCK_N=128, SCALED=True, IEEE=False, EARLY=True), 4, 3))
