@@ -23,7 +23,8 @@
 # PART=22: the three stages' tables alone (moe_stage / kda_stage / dsa_stage at 1-64 tokens with the stock module,
 # the input of stage_tables.py on a GPU kind without tables).
 # PART=29: s49's untimed one-token KDA form (git revert 6876cdf first; BASE=6735f4e with its benchmarks unpacked in
-# benchmarks/.b/6735f4e): its GPU tests and the stage against the form before it; the DSA value-up's pipeline stages.
+# benchmarks/.b/6735f4e): its GPU tests and the stage against the form before it, KDA plans at 1-8 rows; the DSA
+# value-up's pipeline stages.
 # PART=15: the DSA selection alone (dsa_select.py) and the DSA stage, here and on the package of commit $BASE
 # unpacked in benchmarks/.b/$BASE (as PART=9 says), with the selection's GPU tests.
 # A fresh machine compiles every kernel first: the first part run there needs the longest limits. Logs
@@ -160,6 +161,10 @@ run kda-stage 70 python benchmarks/kda_stage.py --tokens 1,2,4,8,16,32,64 --veri
 (cd "benchmarks/.b/$BASE" && PYTHONPATH=.:/tmp/site run kda-stage-base 70 python benchmarks/kda_stage.py \
   --tokens 1,2,4,8,16,32,64 --verify 16x4 --out "$OUT/kda-stage-base.json")
 run kda-stage-2 60 python benchmarks/kda_stage.py --tokens 1,2,8,64 --verify "" --out "$OUT/kda-stage-2.json"
+# Plans over the hoisted reads (s48's sweep predates them): 8 warps (two a scheduler, half the state a thread) and 64
+# columns at 1-8 rows.
+run kda-plans 90 python benchmarks/kda_stage.py --tokens 1,2,4,8 --verify 4x4 --block-v 128,64 --warps 4,8 \
+  --out "$OUT/kda-plans.json"
 # The value-up's K steps more or all in flight (DsaPlan.up_stages 4 / 8 against the shipped 3), the attention alone.
 run dsa-up-stages 90 python benchmarks/dsa_stage.py --contexts 8192,131072 --tokens 1,2,8,16,64 --verify "" --no-stock \
   --plans "up_stages=4;up_stages=8" --out "$OUT/dsa-up-stages.json"
