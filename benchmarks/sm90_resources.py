@@ -99,8 +99,6 @@ def cases() -> list[tuple[str, str, object, dict, dict, int, int]]:
             out.append(("dsa", f"value-up fp8 BLOCK_M {bm} {stages} stages", dsa_attention.head_product_kernel,
                         dict(x_ptr="*bf16", slot_ptr="*i64", w_ptr="*fp8e4nv", scale_ptr="*fp32", out_ptr="*fp32"),
                         dict(BLOCK_M=bm, BLOCK_K=64, BLOCK_N=32, SCALED=True, IEEE=False, EARLY=False), 4, stages))
-    out.append(("dsa", "merge 33 splits, 128 columns", dsa_attention.merge_splits_kernel,
-                dict(acc_ptr="*fp32", ml_ptr="*fp32", slot_ptr="*i64", ctx_ptr="*bf16"), dict(SP=64, BLOCK_R=128), 4, 3))
     out.append(("dsa", "absorb fp8, early (beside the selection)", dsa_attention.head_product_kernel,
                 dict(x_ptr="*bf16", slot_ptr="*i64", w_ptr="*fp8e4nv", scale_ptr="*fp32", out_ptr="*bf16"),
                 dict(BLOCK_M=16, BLOCK_K=64, BLOCK_N=128, SCALED=True, IEEE=False, EARLY=True), 4, 3))

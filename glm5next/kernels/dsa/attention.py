@@ -61,8 +61,7 @@ def head_product_kernel(
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             kok = k < K
-            # every row of the step is read (its slot not awaited first): a padded row's products are dropped below
-            x = tl.load(x_ptr + t[:, None] * s_xt + h * s_xh + k[None, :], mask=tok[:, None] & kok[None, :],
+            x = tl.load(x_ptr + t[:, None] * s_xt + h * s_xh + k[None, :], mask=live[:, None] & kok[None, :],
                         other=0.0)
             w = tl.load(w_ptr + (h * K + k[:, None]) * N + n[None, :], mask=kok[:, None] & nok[None, :], other=0.0)
             if SCALED:
@@ -110,12 +109,10 @@ def attend_kernel(
     hg = tl.program_id(1)
     split = tl.program_id(2)
     slot = tl.load(slot_ptr + t)
-    pos = tl.load(pos_ptr + t)
-    seq = tl.load(seq_ptr + t)
-    n_sel = tl.load(count_ptr + t)
-    # Every one in the test (each holds for a live token), so that the four reads are in flight together: on
-    # the slot alone, the compiler issues the other three after the branch, a round trip later.
-    if (slot >= 0) & (pos >= 0) & (seq >= 0) & (n_sel >= 0):
+    if slot >= 0:
+        pos = tl.load(pos_ptr + t)
+        seq = tl.load(seq_ptr + t)
+        n_sel = tl.load(count_ptr + t)
         pooled = n_sel * KP
         length = pooled + KP - 1
         chunk = tl.cdiv(tl.cdiv(length, splits), BLOCK_N) * BLOCK_N
@@ -176,16 +173,15 @@ def merge_splits_kernel(
     padding tokens are left alone (the value-up zeroes them)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
-    sp = tl.arange(0, SP)
-    spok = sp < splits
-    base = (t * H + h) * splits + sp
-    r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rok = r < R
-    # the partials read beside the slot, not after it (a padding token's are scratch, read and dropped)
-    parts = tl.load(acc_ptr + base[:, None] * R + r[None, :], mask=spok[:, None] & rok[None, :], other=0.0)
-    m = tl.load(ml_ptr + base * 2, mask=spok, other=float("-inf"))
-    l = tl.load(ml_ptr + base * 2 + 1, mask=spok, other=0.0)
     if tl.load(slot_ptr + t) >= 0:
+        sp = tl.arange(0, SP)
+        spok = sp < splits
+        base = (t * H + h) * splits + sp
+        r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
+        rok = r < R
+        parts = tl.load(acc_ptr + base[:, None] * R + r[None, :], mask=spok[:, None] & rok[None, :], other=0.0)
+        m = tl.load(ml_ptr + base * 2, mask=spok, other=float("-inf"))
+        l = tl.load(ml_ptr + base * 2 + 1, mask=spok, other=0.0)
         top = tl.max(m, 0)
         top = tl.where(top == float("-inf"), 0.0, top)
         wgt = tl.exp(m - top)
