@@ -22,8 +22,9 @@
 # and DSA stages at 1-64 tokens against their floors, stock and peers, the step against the package of $BASE.
 # PART=22: the three stages' tables alone (moe_stage / kda_stage / dsa_stage at 1-64 tokens with the stock module,
 # the input of stage_tables.py on a GPU kind without tables).
-# PART=29: s49's untimed one-token KDA form (git revert 6876cdf first; BASE=6735f4e with its benchmarks unpacked in
-# benchmarks/.b/6735f4e): its GPU tests and the stage against the form before it, KDA plans at 1-8 rows; the DSA
+# PART=29: s49's untimed forms (git revert 6876cdf 6346d69 first; BASE=6735f4e with its benchmarks unpacked in
+# benchmarks/.b/6735f4e): the one-token KDA form (GPU tests, the stage against the form before it), KDA plans at
+# 1-8 rows; the DSA reads beside the slot (DSA GPU tests, the stage kernel by kernel against BASE's); the DSA
 # value-up's pipeline stages.
 # PART=15: the DSA selection alone (dsa_select.py) and the DSA stage, here and on the package of commit $BASE
 # unpacked in benchmarks/.b/$BASE (as PART=9 says), with the selection's GPU tests.
@@ -153,18 +154,22 @@ run kda-stage 60 python benchmarks/kda_stage.py --tokens 1,2,4,8,16,32,64 --veri
 run dsa-stage 90 python benchmarks/dsa_stage.py --contexts 8192,131072 --tokens 1,2,4,8,16,32,64 --verify "" \
   --out "$OUT/dsa-stage.json"
 elif [ "${PART:-1}" = 29 ]; then
-# s49's untimed one-token KDA form, re-applied first (git revert 6876cdf): the KDA GPU tests, then the stage here and on
+# s49's untimed one-token KDA form, re-applied first (git revert 6876cdf): the KDA and DSA GPU tests, then the stage here and on
 # the package of BASE (the commit before it: git archive 6735f4e glm5next benchmarks | tar -x -C benchmarks/.b/6735f4e,
-# its own benchmark), then here once more.
-run kda-tests 170 python -m pytest -q -m gpu -rfE --tb=short tests/test_kernels_kda.py
+# its own benchmark).
+run kda-tests 170 python -m pytest -q -m gpu -rfE --tb=short tests/test_kernels_kda.py tests/test_kernels_dsa.py
 run kda-stage 70 python benchmarks/kda_stage.py --tokens 1,2,4,8,16,32,64 --verify 16x4 --out "$OUT/kda-stage.json"
 (cd "benchmarks/.b/$BASE" && PYTHONPATH=.:/tmp/site run kda-stage-base 70 python benchmarks/kda_stage.py \
   --tokens 1,2,4,8,16,32,64 --verify 16x4 --out "$OUT/kda-stage-base.json")
-run kda-stage-2 60 python benchmarks/kda_stage.py --tokens 1,2,8,64 --verify "" --out "$OUT/kda-stage-2.json"
 # Plans over the hoisted reads (s48's sweep predates them): 8 warps (two a scheduler, half the state a thread) and 64
 # columns at 1-8 rows.
 run kda-plans 90 python benchmarks/kda_stage.py --tokens 1,2,4,8 --verify 4x4 --block-v 128,64 --warps 4,8 \
   --out "$OUT/kda-plans.json"
+# The DSA reads beside the slot (re-applied: git revert 6346d69), kernel by kernel, here and on the package of BASE.
+D=(--contexts 8192,131072 --tokens 1,2,8,64 --verify "" --no-stock --profile)
+run dsa-reads 70 python benchmarks/dsa_stage.py "${D[@]}" --out "$OUT/dsa-reads.json"
+(cd "benchmarks/.b/$BASE" && PYTHONPATH=.:/tmp/site run dsa-reads-base 70 python benchmarks/dsa_stage.py "${D[@]}" \
+  --out "$OUT/dsa-reads-base.json")
 # The value-up's K steps more or all in flight (DsaPlan.up_stages 4 / 8 against the shipped 3), the attention alone.
 run dsa-up-stages 90 python benchmarks/dsa_stage.py --contexts 8192,131072 --tokens 1,2,8,16,64 --verify "" --no-stock \
   --plans "up_stages=4;up_stages=8" --out "$OUT/dsa-up-stages.json"
