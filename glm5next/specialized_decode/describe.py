@@ -13,7 +13,7 @@ import torch
 from ..checkpoint.inventory import expected_tensors
 from ..config import DSA, KDA, Glm5NextConfig
 from ..kernels import boundary as boundary_kernels
-from ..kernels.dsa import plan_dsa, select_levels
+from ..kernels.dsa import keeps_fp8, plan_dsa, select_levels
 from ..kernels.kda import plan_kda
 from ..kernels.linear import plan_launch
 from ..kernels.moe import plan_moe
@@ -105,8 +105,7 @@ def stage_launches(w: dict, config: Glm5NextConfig, stage: str, choice: str, T: 
         p = plan_dsa(T, h, pools, config.index_topk_pools, config.index_kpool, sms)
         groups = -(-h // p.heads_per_program)
         r, v = config.kv_lora_rank, config.v_head_dim
-        # W_UK / W_UV stay the checkpoint's FP8 where each head's rows start on kv_b_proj's scale blocks.
-        weights = "fp8" if config.qk_nope_head_dim % 128 == 0 and v % 128 == 0 else "widened"
+        weights = "fp8" if keeps_fp8(config.qk_nope_head_dim, v) else "widened"
         return [dict(launch="write_cache", grid=(T,), pooled_keys="of the pools the step completes"),
                 dict(launch="index_scores", grid=(T, p.score_splits), block_p=p.block_p, warps=p.num_warps),
                 *[dict(launch="select_pools", grid=(T, chunks), block=block, warps=p.select_warps,

@@ -23,8 +23,14 @@ from .reference import (dsa_decode_reference, index_scores_reference, indexer_in
                         select_pools_reference, sparse_attention_reference)
 
 __all__ = ["DsaPlan", "DsaScratch", "DsaWeights", "IndexerInputWeights", "dsa_decode", "dsa_decode_reference", "index_scores",
-           "index_scores_reference", "indexer_inputs", "indexer_inputs_reference", "plan_dsa", "select_levels", "select_pools", "select_pools_reference",
+           "index_scores_reference", "indexer_inputs", "indexer_inputs_reference", "keeps_fp8", "plan_dsa", "select_levels", "select_pools", "select_pools_reference",
            "sparse_attention", "sparse_attention_reference", "write_cache"]
+
+
+def keeps_fp8(nope: int, v: int) -> bool:
+    """Whether an FP8 kv_b_proj stays FP8 as `W_UK` / `W_UV^T`: each head's nope rows and v rows start on its
+    128-row scale blocks."""
+    return nope % 128 == 0 and v % 128 == 0
 
 
 @dataclass(frozen=True)
@@ -76,7 +82,7 @@ class DsaWeights:
         proj = attn.kv_b_proj
         common = (attn.kpool, attn.indexer.topk_pools, float(attn.scale), float(attn.indexer.softmax_scale),
                   attn.indexer.index_kpool_compress_ape.float().contiguous())
-        if proj.is_fp8 and nope % 128 == 0 and v % 128 == 0:
+        if proj.is_fp8 and keeps_fp8(nope, v):
             w = proj.weight.view(h, nope + v, -1)
             s = proj.weight_scale_inv.float().view(h, (nope + v) // 128, -1)
             return cls(w[:, :nope].contiguous(), w[:, nope:].transpose(1, 2).contiguous(), *common,
