@@ -146,9 +146,6 @@ class DsaPlan:
     """Warps of the selection's launches (a GPU block of 4096 keys wants 8)."""
     attend_warps: int = 8
     """Warps of the attention launch, whose [heads, R] context and [block_n, R] latent tile are its largest."""
-    up_stages: int = 3
-    """Pipeline stages of the value-up's K loop (R / up_block_k steps, each too short to hide a memory round
-    trip: more stages keep more of its weight tiles in flight)."""
 
     def describe(self) -> dict:
         return dict(self.__dict__)
@@ -435,8 +432,7 @@ def sparse_attention(q: torch.Tensor, selection: torch.Tensor, count: torch.Tens
         raise ValueError(f"values must be [{t}, {h}, {v}] contiguous")
     head_product_kernel[(h, triton.cdiv(v, plan.block_v))](  # value-up: context @ W_UV^T
         ctx, h * r, r, slots, w.w_uv_t, w.w_uv_t_scale, out, t, h, r, v, BLOCK_M=min(64, plan.block_m),
-        BLOCK_K=plan.up_block_k, BLOCK_N=plan.block_v, SCALED=scaled[1], IEEE=ieee, num_warps=plan.num_warps,
-        num_stages=plan.up_stages)
+        BLOCK_K=plan.up_block_k, BLOCK_N=plan.block_v, SCALED=scaled[1], IEEE=ieee, num_warps=plan.num_warps)
     return out
 
 
