@@ -22,7 +22,7 @@
 # and DSA stages at 1-64 tokens against their floors, stock and peers, the step against the package of $BASE.
 # PART=22: the three stages' tables alone (moe_stage / kda_stage / dsa_stage at 1-64 tokens with the stock module,
 # the input of stage_tables.py on a GPU kind without tables).
-# PART=29: s49's untimed forms (git revert 6876cdf 6346d69 first; BASE=6735f4e with its benchmarks unpacked in
+# PART=29: s49's untimed forms (git revert 6876cdf 6346d69 bd5c815 first; BASE=6735f4e with its benchmarks unpacked in
 # benchmarks/.b/6735f4e): the one-token KDA form (GPU tests, the stage against the form before it), KDA plans at
 # 1-8 rows; the DSA reads beside the slot (DSA GPU tests, the stage kernel by kernel against BASE's); the DSA
 # value-up's pipeline stages.
@@ -170,7 +170,7 @@ D=(--contexts 8192,131072 --tokens 1,2,8,64 --verify "" --no-stock --profile)
 run dsa-reads 70 python benchmarks/dsa_stage.py "${D[@]}" --out "$OUT/dsa-reads.json"
 (cd "benchmarks/.b/$BASE" && PYTHONPATH=.:/tmp/site run dsa-reads-base 70 python benchmarks/dsa_stage.py "${D[@]}" \
   --out "$OUT/dsa-reads-base.json")
-# The value-up's K steps more or all in flight (DsaPlan.up_stages 4 / 8 against the shipped 3), the attention alone.
+# The value-up's K steps more or all in flight (DsaPlan.up_stages, re-applied: git revert bd5c815; 4 / 8 against 3).
 run dsa-up-stages 90 python benchmarks/dsa_stage.py --contexts 8192,131072 --tokens 1,2,8,16,64 --verify "" --no-stock \
   --plans "up_stages=4;up_stages=8" --out "$OUT/dsa-up-stages.json"
 elif [ "${PART:-1}" = 5 ]; then
