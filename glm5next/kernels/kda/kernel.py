@@ -161,15 +161,15 @@ def kda_decode_kernel(
         tok = row * Q + t
         # Every read of the token's inputs before any of them is used: a layout exchange between threads (a
         # CTA barrier) between two reads would hold the second until the first has arrived.
-        cq_ = _conv(conv_base, conv_w_ptr, q_ptr, sq, cq, h * K + kk, row, t, Q, KEEP)
-        ck_ = _conv(conv_base, conv_w_ptr, k_ptr, sk, ck, h * K + kk, row, t, Q, KEEP)
-        cv_ = _conv(conv_base, conv_w_ptr, v_ptr, sv, cv, h * V + vv, row, t, Q, KEEP)
+        pre_q = _conv(conv_base, conv_w_ptr, q_ptr, sq, cq, h * K + kk, row, t, Q, KEEP)
+        pre_k = _conv(conv_base, conv_w_ptr, k_ptr, sk, ck, h * K + kk, row, t, Q, KEEP)
+        pre_v = _conv(conv_base, conv_w_ptr, v_ptr, sv, cv, h * V + vv, row, t, Q, KEEP)
         raw = tl.load(f_ptr + tok * sf + h * K + kk).to(tl.float32) + dt
         b_raw = tl.load(b_ptr + tok * sb + h).to(tl.float32)
         gate = tl.load(g_ptr + tok * sg + h * V + vv).to(tl.float32)
-        aq = _silu(cq_, dtype)
-        ak = _silu(ck_, dtype)
-        av = _silu(cv_, dtype)
+        aq = _silu(pre_q, dtype)
+        ak = _silu(pre_k, dtype)
+        av = _silu(pre_v, dtype)
         qn = aq / tl.sqrt(tl.sum(aq * aq, 0) + l2_eps) * scale
         kn = ak / tl.sqrt(tl.sum(ak * ak, 0) + l2_eps)
         gk = lower_bound * tl.sigmoid(rate * raw)
